@@ -1,0 +1,20 @@
+"""jgraph: a training step as an explicit, inspectable graph on JAX.
+
+Trace a JAX loss function into a small IR (`trace`), build its backward graph with jgraph's own
+VJP rules (`backward`), rematerialize, accumulate and step as graph -> graph transforms, and run the
+result through XLA (`compile`).
+"""
+
+from jgraph.backward import backward
+from jgraph.check import check
+from jgraph.errors import GraphError, JGraphError, TraceError, TransformError
+from jgraph.interpreter import Interpreter, evaluate
+from jgraph.ir import Eqn, Graph, Literal, Region, Var
+from jgraph.lower import compile
+from jgraph.trace import trace
+
+__all__ = [
+    "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
+    "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,135 @@
+"""`backward`: a forward graph -> the joint forward + backward graph (ggml_build_backward_expand).
+
+A value needs a gradient iff it is floating and lies on a path from a `param` input to the `loss`
+output. Walking the schedule in reverse, each eqn with a cotangent on an output and an input that
+needs a gradient emits the eqns of its VJP rule (`jgraph.vjp`), tagged `backward`. Fan-out
+cotangents are summed. The loss cotangent is 1, or the `loss_seed` input when the graph has one.
+With `accumulator` inputs (one per param, in param order) each grad output is accumulator + grad.
+Outputs are arranged as `jax.value_and_grad(fn, argnums=param_argnums, has_aux=has_aux)` returns.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgraph import vjp
+from jgraph.builder import Builder
+from jgraph.errors import TransformError
+from jgraph.ir import Graph, Literal, Var, is_float, short_aval
+from jgraph.passes import dce
+
+
+def needs_gradient(graph: Graph, loss: Var) -> set[Var]:
+    """Floating variables on a path from a param input to `loss`."""
+    active = {v for v, r in zip(graph.inputs, graph.input_roles) if r == "param" and is_float(v.aval)}
+    for eqn in graph.eqns:
+        if eqn.op in vjp.CUTS_GRADIENT:
+            continue
+        if any(isinstance(a, Var) and a in active for a in eqn.inputs):
+            active.update(v for v in eqn.outputs if is_float(v.aval))
+    useful = {loss} if isinstance(loss, Var) else set()
+    for eqn in reversed(graph.eqns):
+        if any(v in useful for v in eqn.outputs) and eqn.op not in vjp.CUTS_GRADIENT:
+            useful.update(a for a in eqn.inputs if isinstance(a, Var))
+    return active & useful
+
+
+def _loss_output(graph: Graph):
+    losses = [k for k, r in enumerate(graph.output_roles) if r == "loss"]
+    if len(losses) != 1:
+        outs = ", ".join(f"{short_aval(a.aval)}@{r}" for a, r in zip(graph.outputs,
+                                                                       graph.output_roles))
+        raise TransformError(
+            "backward needs exactly one output with role 'loss' (a floating scalar); this graph "
+            f"returns ({outs}). Trace a function returning a scalar loss (or (loss, aux) with "
+            "has_aux=True)."
+        )
+    return graph.outputs[losses[0]]
+
+
+def backward(graph: Graph) -> Graph:
+    """The joint graph computing (loss[, aux]) and the gradients of the loss w.r.t. the params."""
+    if "grad" in graph.output_roles:
+        raise TransformError("backward: the graph already has grad outputs")
+    loss = _loss_output(graph)
+    params = _params_in_grad_order(graph)
+    if not params:
+        raise TransformError("backward: the graph has no 'param' input; pass param_argnums= to "
+                             "jg.trace")
+    seeds = graph.inputs_with_role("loss_seed")
+    accumulators = graph.inputs_with_role("accumulator")
+    if accumulators and len(accumulators) != len(params):
+        raise TransformError(f"backward: {len(accumulators)} accumulator inputs for "
+                             f"{len(params)} params")
+    needs = needs_gradient(graph, loss)
+
+    b = Builder(tags={"backward"})
+    cts: dict[Var, object] = {}
+
+    def add_ct(v, ct):
+        cts[v] = ct if v not in cts else b.call(vjp.add_cotangents, cts[v], ct)[0]
+
+    if isinstance(loss, Var) and loss in needs:
+        add_ct(loss, seeds[0] if seeds else Literal(jnp.ones((), loss.aval.dtype), loss.aval))
+    for eqn in reversed(graph.eqns):
+        if not any(v in cts for v in eqn.outputs):
+            continue
+        if not any(isinstance(a, Var) and a in needs for a in eqn.inputs):
+            continue
+        b.source, b.regions = eqn.source, ()
+        out_cts = [cts.pop(v, None) for v in eqn.outputs]
+        for ct, x in zip(vjp.apply_rule(b, eqn, out_cts), eqn.inputs):
+            if ct is not None and isinstance(x, Var) and x in needs:
+                add_ct(x, ct)
+
+    b.source = ""
+    grads = []
+    for k, p in enumerate(params):
+        g = cts.get(p)
+        if g is None:  # the loss does not depend on this param: a zero gradient
+            g = b.call(jnp.zeros_like, p)[0]
+        if accumulators:
+            g = b.call(vjp.add_cotangents, accumulators[k], g)[0]
+        grads.append(g)
+
+    return dce(graph.replace(
+        eqns=graph.eqns + tuple(b.eqns),
+        outputs=graph.outputs + tuple(grads),
+        output_roles=graph.output_roles + ("grad",) * len(grads),
+        out_tree=_value_and_grad_tree(graph),
+    ))
+
+
+def _param_argnums(graph: Graph) -> tuple[int, ...] | None:
+    n = graph.param_argnums
+    return None if n is None else (n,) if isinstance(n, int) else tuple(n)
+
+
+def _params_in_grad_order(graph: Graph) -> list[Var]:
+    """Param inputs in the order their grads appear in the output (argnums order)."""
+    argnums = _param_argnums(graph)
+    if argnums is None or graph.in_tree is None:
+        return graph.inputs_with_role("param")
+    sizes = [t.num_leaves for t in graph.in_tree.children()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [graph.inputs[starts[i] + k] for i in argnums for k in range(sizes[i])]
+
+
+def _value_and_grad_tree(graph: Graph):
+    """Treedef of `(value, grads)` with grads shaped like the param arguments."""
+    value_tree = graph.out_tree or jax.tree.structure((0,) * len(graph.outputs))
+    argnums = graph.param_argnums
+    if argnums is None or graph.in_tree is None:
+        n = len(graph.inputs_with_role("param"))
+        grads_tree = jax.tree.structure((0,) * n)
+    elif isinstance(argnums, int):
+        grads_tree = graph.in_tree.children()[argnums]
+    else:
+        arg_trees = graph.in_tree.children()
+        grads_tree = jax.tree.structure(
+            tuple(jax.tree.unflatten(arg_trees[i], [0] * arg_trees[i].num_leaves) for i in argnums)
+        )
+    value = jax.tree.unflatten(value_tree, [0] * value_tree.num_leaves)
+    grads = jax.tree.unflatten(grads_tree, [0] * grads_tree.num_leaves)
+    return jax.tree.structure((value, grads))

@@ -1,0 +1,17 @@
+"""Every error jgraph raises is a `JGraphError`; the subclasses say which stage found the problem."""
+
+
+class JGraphError(Exception):
+    """Base class of jgraph's errors."""
+
+
+class GraphError(JGraphError):
+    """A graph breaks an invariant of the IR (raised by `check`, naming the eqn)."""
+
+
+class TraceError(JGraphError):
+    """A function cannot be traced into the IR (names the primitive and the user's source line)."""
+
+
+class TransformError(JGraphError):
+    """A transform cannot be applied (a missing rule, a bad loss, no params, ...)."""

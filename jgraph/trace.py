@@ -1,0 +1,82 @@
+"""`trace`: an ordinary JAX function -> a forward `Graph`.
+
+The function is traced by `jax.make_jaxpr` on its flattened arguments; each JAX primitive becomes an
+op (see `jgraph.builder` for how nested `jit`, `custom_jvp`, `checkpoint` and `scan` are rewritten).
+Leaves of the arguments in `param_argnums` get the role `param`, all others `data`. The output is
+the `loss` if it is a single floating scalar (or the first element of `(loss, aux)` with `has_aux`);
+any other output is `aux`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgraph.builder import Builder
+from jgraph.errors import TraceError
+from jgraph.ir import Graph, Var
+
+
+def _normalize_argnums(param_argnums, nargs) -> tuple[int, ...]:
+    if param_argnums is None:
+        return ()
+    nums = (param_argnums,) if isinstance(param_argnums, int) else tuple(param_argnums)
+    for n in nums:
+        if not isinstance(n, int) or not -nargs <= n < nargs:
+            raise TraceError(f"param_argnums {param_argnums!r} out of range for {nargs} arguments")
+    return tuple(n % nargs for n in nums)
+
+
+def _is_scalar_float(aval) -> bool:
+    return aval.shape == () and jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
+    """Trace `fn(*example_args)` into a forward graph."""
+    argnums = _normalize_argnums(param_argnums, len(example_args))
+    flat_args, in_tree = jax.tree.flatten(tuple(example_args))
+    out_tree_box = []
+
+    def flat_fn(*flat):
+        out = fn(*jax.tree.unflatten(in_tree, flat))
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TraceError("has_aux=True needs a function returning a pair (loss, aux)")
+        leaves, out_tree = jax.tree.flatten(out)
+        out_tree_box.append(out_tree)
+        return leaves
+
+    try:
+        closed = jax.make_jaxpr(flat_fn)(*flat_args)
+    except TraceError:
+        raise
+    except TypeError as e:
+        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)!r}: {e}") from e
+    out_tree = out_tree_box[-1]
+
+    inputs = tuple(Var(v.aval) for v in closed.jaxpr.invars)
+    builder = Builder()
+    outputs = tuple(builder.inline(closed.jaxpr, closed.consts, inputs))
+
+    # Roles: leaves of the param arguments are params.
+    arg_sizes = [len(jax.tree.leaves(a)) for a in example_args]
+    input_roles = []
+    for i, size in enumerate(arg_sizes):
+        input_roles += ["param" if i in argnums else "data"] * size
+    n_loss = len(jax.tree.leaves(jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves)[0])) \
+        if has_aux else out_tree.num_leaves
+    output_roles = []
+    for k, a in enumerate(outputs):
+        is_loss = k < n_loss and n_loss == 1 and _is_scalar_float(a.aval)
+        output_roles.append("loss" if is_loss else "aux")
+    return Graph(
+        inputs=inputs,
+        eqns=tuple(builder.eqns),
+        outputs=outputs,
+        input_roles=tuple(input_roles),
+        output_roles=tuple(output_roles),
+        in_tree=in_tree,
+        out_tree=out_tree,
+        regions=tuple(builder.new_regions),
+        param_argnums=param_argnums,
+        has_aux=has_aux,
+    )
