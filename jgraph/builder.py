@@ -30,7 +30,9 @@ def source_line(jaxpr_eqn) -> str:
 
 
 def _has_subjaxpr(params) -> bool:
-    for value in params.values():
+    for key, value in params.items():
+        if key == "update_jaxpr":  # a scatter's combiner, lowered by the primitive itself
+            continue
         values = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, _JAXPR_TYPES) for v in values):
             return True

@@ -1,0 +1,119 @@
+"""VJP rules: for each differentiable op, the cotangents of its inputs, emitted as IR eqns.
+
+A rule is a JAX function `rule(cts, ins, outs, **params) -> cotangent per input (or None)`, where
+`cts`, `ins` and `outs` are tuples of arrays. The backward pass traces it once per (rule, params,
+avals) and inlines the result (see `jgraph.builder.Builder.call`), so rules read like JAX code and
+what they emit is ordinary IR. Families share helpers (`defunary`, `defbinary`, `unbroadcast`).
+Where cheap, a rule uses the same formula as JAX's, so that gradients agree bitwise.
+
+The rules live by op family in the submodules (`elementwise`, `structural`, `indexing`,
+`contractions`, `reductions`); importing this package registers them all.
+
+Ops in NON_DIFFERENTIABLE have no floating outputs that depend differentiably on their inputs
+(their gradient is zero, as in JAX); ops in CUTS_GRADIENT stop gradient flow. Any other op met on
+the gradient path without a rule is an error naming the op and the user's source line (never a
+silent zero).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+from jgraph.errors import TransformError
+from jgraph.ir import is_float
+
+vjp_rules: dict[str, Callable] = {}
+
+# Ops whose outputs carry no gradient to their inputs.
+CUTS_GRADIENT = frozenset({"stop_gradient"})
+# Ops with no differentiable floating output (comparisons, integer ops, RNG bits, piecewise
+# constant functions, ...): their gradient is zero.
+NON_DIFFERENTIABLE = frozenset(
+    {"eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to", "and", "or", "not", "xor",
+     "iota", "argmax", "argmin", "is_finite", "sign", "floor", "ceil", "round", "stop_gradient",
+     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
+     "mulhi", "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+     "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform", "nextafter",
+     "reduce_and", "reduce_or", "reduce_xor", "bitcast_convert_type", "zeros_like",
+     "create_token", "after_all", "platform_index", "empty", "empty2"}
+)
+
+
+def add_cotangents(a, b):
+    return a + b
+
+
+def unbroadcast(ct, x):
+    """Sum `ct` down to the shape of `x` (undoes rank-0 and size-1 broadcasting of nary ops)."""
+    if ct.shape == x.shape:
+        return ct
+    if x.ndim == 0:
+        return jnp.sum(ct).astype(ct.dtype)
+    dims = tuple(i for i, (a, b) in enumerate(zip(ct.shape, x.shape, strict=True)) if a != b)
+    return ct.sum(axis=dims).reshape(x.shape)
+
+
+def apply_rule(b, eqn, out_cts):
+    """Emit the eqns of `eqn`'s VJP rule; return one cotangent atom (or None) per input."""
+    rule = vjp_rules.get(eqn.op)
+    if rule is None:
+        if eqn.op in NON_DIFFERENTIABLE or not any(is_float(v.aval) for v in eqn.outputs):
+            return [None] * len(eqn.inputs)
+        raise TransformError(
+            f"no VJP rule for op {eqn.op!r}, which is on the gradient path"
+            + (f" at {eqn.source}" if eqn.source else "")
+            + " (jgraph never substitutes a zero gradient)"
+        )
+    n_in, n_out = len(eqn.inputs), len(eqn.outputs)
+    cts = list(out_cts)
+    for k, ct in enumerate(cts):
+        if ct is None:  # an output nobody differentiates through: a zero cotangent
+            cts[k] = b.call(jnp.zeros_like, eqn.outputs[k])[0]
+    outs = b.call(_run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
+                  params=_freeze(eqn.params))
+    return outs + [None] * (n_in - len(outs))
+
+
+def _run_rule(*arrays, rule, n_in, n_out, params):
+    ins, outs, cts = arrays[:n_in], arrays[n_in:n_in + n_out], arrays[n_in + n_out:]
+    result = list(rule(cts, ins, outs, **dict(params)))
+    # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said.
+    return [None if ct is None or not jnp.issubdtype(x.dtype, jnp.inexact) else ct
+            for ct, x in zip(result, ins, strict=False)]
+
+
+def _freeze(params):
+    return tuple(sorted(params.items()))
+
+
+def defvjp(op: str, rule: Callable) -> None:
+    vjp_rules[op] = rule
+
+
+def defunary(op: str, fn: Callable) -> None:
+    """Rule for a one-input op from `fn(ct, x, y) -> ct_x` (y is the op's output)."""
+    vjp_rules[op] = lambda cts, ins, outs, **p: [fn(cts[0], ins[0], outs[0])]
+
+
+def defbinary(op: str, fn: Callable) -> None:
+    """Rule for a two-input op from `fn(ct, x, y, z) -> (ct_x, ct_y)`, unbroadcast after."""
+    def rule(cts, ins, outs, **p):
+        cx, cy = fn(cts[0], ins[0], ins[1], outs[0])
+        return [unbroadcast(cx, ins[0]), unbroadcast(cy, ins[1])]
+
+    vjp_rules[op] = rule
+
+
+def deflinear(op: str, fn: Callable) -> None:
+    """Rule for an op linear in its first input: `fn(ct, x, **params) -> ct_x`."""
+    vjp_rules[op] = lambda cts, ins, outs, **p: [fn(cts[0], ins[0], **p)]
+
+
+# Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
+from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
+
+__all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
+           "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "indexing", "reductions",
+           "structural", "unbroadcast", "vjp_rules"]
