@@ -59,7 +59,8 @@ def mlp(params, x):
 
 def _mlp_args(key, dtype, widths=(5, 8, 8, 3), batch=4):
     keys = jax.random.split(key, len(widths))
-    params = [_dense(k, a, b, dtype) for k, a, b in zip(keys, widths[:-1], widths[1:])]
+    shapes = zip(widths[:-1], widths[1:], strict=True)
+    params = [_dense(k, a, b, dtype) for k, (a, b) in zip(keys, shapes, strict=False)]
     return params, _normal(keys[-1], (batch, widths[0]), dtype)
 
 
@@ -86,7 +87,8 @@ def _layer_norm(p, x, eps=1e-5):
 
 def _ln_params(key, width, dtype):
     ks, kb = jax.random.split(key)
-    return {"scale": 1.0 + _normal(ks, (width,), dtype, 0.1), "bias": _normal(kb, (width,), dtype, 0.1)}
+    return {"scale": 1.0 + _normal(ks, (width,), dtype, 0.1),
+            "bias": _normal(kb, (width,), dtype, 0.1)}
 
 
 def layer_norm(p, x):
@@ -114,7 +116,8 @@ def _causal_attention(p, x, heads=2):
 
 def _attention_params(key, d, dtype):
     kq, kp = jax.random.split(key)
-    return {"qkv": _normal(kq, (d, 3 * d), dtype, d**-0.5), "proj": _normal(kp, (d, d), dtype, d**-0.5)}
+    return {"qkv": _normal(kq, (d, 3 * d), dtype, d**-0.5),
+            "proj": _normal(kp, (d, d), dtype, d**-0.5)}
 
 
 def causal_attention(p, x):
