@@ -113,6 +113,7 @@ def deflinear(op: str, fn: Callable) -> None:
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
 from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
+from jgraph import custom_vjp  # noqa: E402,F401  (the custom_vjp_call op and its rule)
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
            "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "indexing", "reductions",
