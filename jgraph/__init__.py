@@ -5,16 +5,19 @@ VJP rules (`backward`), rematerialize, accumulate and step as graph -> graph tra
 result through XLA (`compile`).
 """
 
+from jgraph import testing  # noqa: E402  (jg.testing.check_grads)
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.errors import GraphError, JGraphError, TraceError, TransformError
 from jgraph.interpreter import Interpreter, evaluate
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.lower import compile
+from jgraph.to_jax import to_jax
 from jgraph.trace import trace
 
 __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
     "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
+    "testing", "to_jax",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,108 @@
+"""Testing helpers for users' own test suites: `check_grads`.
+
+`check_grads(fn, args, order)` checks jgraph's gradient of `fn` against central finite differences
+in float64, as `jax.test_util.check_grads` checks JAX's: for random unit directions `u` (inputs)
+and `w` (outputs), the reverse product `<J^T w, u>` from `jgraph.backward` must match the finite
+difference of `<w, fn(x + t u)>` at t = 0. Order 2 checks the gradient of that gradient, again
+built by `jgraph.backward` (on the backward graph: second-order use of jgraph's rules), and so on.
+All floating leaves of all arguments are differentiated; other leaves are held fixed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgraph.backward import backward
+from jgraph.errors import JGraphError
+from jgraph.lower import compile as compile_graph
+from jgraph.trace import trace
+
+_EPS = 1e-4  # central-difference step in float64: error ~ eps**2 * f''' stays below tolerance
+_TOL = 1e-5
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _split(args):
+    """Floating leaves (as float64) and a function rebuilding the args from them."""
+    leaves, tree = jax.tree.flatten(tuple(args))
+    mask = [_is_float(x) for x in leaves]
+    floats = [jnp.asarray(x, jnp.float64) for x, m in zip(leaves, mask, strict=True) if m]
+
+    def rebuild(new_floats):
+        it = iter(new_floats)
+        return jax.tree.unflatten(tree, [next(it) if m else x
+                                         for x, m in zip(leaves, mask, strict=True)])
+
+    return floats, rebuild
+
+
+def _random_like(key, xs):
+    keys = jax.random.split(key, max(len(xs), 1))
+    vs = [jax.random.normal(k, jnp.shape(x), jnp.float64) for k, x in zip(keys, xs, strict=False)]
+    norm = jnp.sqrt(sum(jnp.sum(v * v) for v in vs)) if vs else 1.0
+    return [v / norm for v in vs]
+
+
+def _vdot(xs, ys):
+    return sum(jnp.vdot(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+def _jgraph_grad(scalar_fn, floats):
+    """jgraph's gradient of `scalar_fn(list of floats)`, as a traceable JAX function."""
+    gb = backward(trace(scalar_fn, floats, param_argnums=0))
+    step = compile_graph(gb)
+    return lambda xs: step(xs)[1]
+
+
+def check_grads(fn, args, order: int = 1, eps=None, rtol=None, atol=None, seed: int = 0):
+    """Raise AssertionError unless jgraph's derivatives of `fn` up to `order` match finite
+    differences (in float64) along random directions."""
+    if order < 1:
+        raise JGraphError(f"check_grads: order must be >= 1, got {order}")
+    with jax.enable_x64(True):  # float64 whatever the user's setting
+        _check_grads(fn, args, order, eps or _EPS, rtol or _TOL, atol or _TOL, seed)
+
+
+def _check_grads(fn, args, order, eps, rtol, atol, seed):
+    floats, rebuild = _split(args)
+    if not floats:
+        raise JGraphError("check_grads: no floating argument to differentiate")
+    key = jax.random.PRNGKey(seed)
+
+    key, k_out = jax.random.split(key)
+    out = fn(*rebuild(floats))
+    out_leaves = [jnp.asarray(o, jnp.float64) for o in jax.tree.leaves(out) if _is_float(o)]
+    w = _random_like(k_out, out_leaves)
+
+    def scalar(xs):  # <w, fn(x)>: reverse mode of it is J^T w
+        outs = [o for o in jax.tree.leaves(fn(*rebuild(xs))) if _is_float(o)]
+        return _vdot(w, [jnp.asarray(o, jnp.float64) for o in outs])
+
+    for level in range(1, order + 1):
+        key, k_dir, k_next = jax.random.split(key, 3)
+        u = _random_like(k_dir, floats)
+        grad = _jgraph_grad(scalar, floats)
+        analytic = float(_vdot(grad(floats), u))
+        plus = scalar([x + eps * d for x, d in zip(floats, u, strict=True)])
+        minus = scalar([x - eps * d for x, d in zip(floats, u, strict=True)])
+        numeric = float((plus - minus) / (2 * eps))
+        if not np.isclose(analytic, numeric, rtol=rtol, atol=atol):
+            raise AssertionError(
+                f"check_grads: order-{level} derivative of {getattr(fn, '__name__', fn)!r} along "
+                f"a random direction: jgraph gives {analytic!r}, central finite differences "
+                f"(eps={eps}) give {numeric!r} (rtol={rtol}, atol={atol})")
+        if level < order:  # next level: differentiate <grad(x), v> with jgraph again
+            v = _random_like(k_next, floats)
+            scalar = _directional(grad, v)
+
+
+def _directional(grad, v):
+    def scalar(xs):
+        return _vdot(grad(xs), v)
+
+    return scalar

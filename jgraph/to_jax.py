@@ -1,0 +1,71 @@
+"""`to_jax`: a graph -> a plain JAX function in which every op is a `jax.custom_vjp`.
+
+Each eqn with a floating output is lowered as a `jax.custom_vjp` whose forward is the op's lowering
+and whose backward is jgraph's VJP rule for the op (`jgraph.vjp`). So `jax.grad(to_jax(graph))`
+runs jgraph's rules under JAX's autodiff, and can be compared with `jgraph.backward`. Ops with no
+floating output, or in NON_DIFFERENTIABLE, are bound as they are (JAX gives them zero gradients).
+A differentiable op without a rule raises `TransformError` when JAX differentiates it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jgraph import ops, vjp
+from jgraph.errors import TransformError
+from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
+from jgraph.ir import Eqn, Graph, is_float
+
+
+def _with_rule(eqn: Eqn):
+    """The op of `eqn` as a custom_vjp function of its input values (returns a list)."""
+    lowering, params = ops.lowerings[eqn.op], dict(eqn.params)
+
+    @jax.custom_vjp
+    def op(*xs):
+        return list(lowering(*xs, **params))
+
+    def fwd(*xs):
+        outs = op(*xs)
+        return outs, (xs, outs)
+
+    def bwd(res, cts):
+        xs, outs = res
+        rule = vjp.vjp_rules.get(eqn.op)
+        if rule is None:
+            raise TransformError(f"no VJP rule for op {eqn.op!r}, which is on the gradient path"
+                                 + (f" at {eqn.source}" if eqn.source else ""))
+        result = list(rule(tuple(cts), tuple(xs), tuple(outs), **params))
+        result += [None] * (len(xs) - len(result))
+        return tuple(None if ct is None or not is_float(jax.typeof(x)) else ct
+                     for ct, x in zip(result, xs, strict=True))
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def _needs_rule(eqn: Eqn) -> bool:
+    return (eqn.op not in vjp.NON_DIFFERENTIABLE and eqn.op not in vjp.CUTS_GRADIENT
+            and any(is_float(v.aval) for v in eqn.outputs))
+
+
+class _CustomVJPLowering(Interpreter):
+    """Evaluates each differentiable eqn through its custom_vjp wrapper."""
+
+    def __init__(self, graph: Graph):
+        self.wrapped = {id(e): _with_rule(e) for e in graph.eqns if _needs_rule(e)}
+
+    def eval_eqn(self, eqn, values):
+        op = self.wrapped.get(id(eqn))
+        return super().eval_eqn(eqn, values) if op is None else op(*values)
+
+
+def to_jax(graph: Graph):
+    """A plain JAX function running `graph` whose gradients use jgraph's VJP rules."""
+    lowering = _CustomVJPLowering(graph)
+
+    def fn(*args):
+        return unflatten_outputs(graph, lowering.run(graph, *flatten_args(graph, args)))
+
+    fn.__name__ = "jgraph_to_jax"
+    return fn
