@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from jgraph.ir import Graph, Var
 
 
@@ -16,3 +20,52 @@ def dce(graph: Graph) -> Graph:
     if len(kept) == len(graph.eqns):
         return graph
     return graph.replace(eqns=tuple(reversed(kept)))
+
+
+def cse(graph: Graph) -> Graph:
+    """Merge eqns computing the same op on the same atoms with the same params into the first.
+
+    Eqns tagged `no_cse` (recomputation that remat placed on purpose) are never merged, nor used
+    to replace another. Eqns in different checkpoint regions are not merged either: which values a
+    region saves is remat's decision. Inputs are kept (the signature).
+    """
+    renamed: dict[Var, Var] = {}
+    seen: dict[tuple, tuple[Var, ...]] = {}
+    kept = []
+
+    def read(a):
+        return renamed.get(a, a) if isinstance(a, Var) else a
+
+    for eqn in graph.eqns:
+        inputs = tuple(read(a) for a in eqn.inputs)
+        if inputs != eqn.inputs:
+            eqn = dataclasses.replace(eqn, inputs=inputs)
+        key = None if "no_cse" in eqn.tags else _cse_key(eqn)
+        if key is not None and key in seen:
+            renamed.update(zip(eqn.outputs, seen[key], strict=True))
+            continue
+        if key is not None:
+            seen[key] = eqn.outputs
+        kept.append(eqn)
+    if len(kept) == len(graph.eqns) and not renamed:
+        return graph
+    return graph.replace(eqns=tuple(kept), outputs=tuple(read(a) for a in graph.outputs))
+
+
+def _atom_key(a):
+    if isinstance(a, Var):
+        return a
+    value = np.asarray(a.value)
+    return ("literal", value.dtype.str, value.shape, value.tobytes(), a.aval.weak_type)
+
+
+def _cse_key(eqn):
+    """A hashable key of what `eqn` computes, or None when it cannot be merged safely."""
+    try:
+        params = tuple(sorted(eqn.params.items()))
+        key = (eqn.op, tuple(_atom_key(a) for a in eqn.inputs), params, eqn.regions,
+               tuple(v.aval for v in eqn.outputs))
+        hash(key)
+    except TypeError:  # unhashable params (arrays): leave the eqn alone
+        return None
+    return key
