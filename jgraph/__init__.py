@@ -14,10 +14,13 @@ from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.lower import compile
 from jgraph.to_jax import to_jax
 from jgraph.trace import trace
+from jgraph.training import (Dataset, Optimizer, Result, accumulate, epoch, fit, optimizer_step,
+                             reset)
 
 __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
     "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
     "testing", "to_jax",
+    "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
 ]
 __version__ = "0.1.0"

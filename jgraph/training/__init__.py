@@ -1,0 +1,16 @@
+"""Training as pure graph transforms (ggml-opt rebuilt): `accumulate`, `optimizer_step`, `reset`,
+and what is built on them: `Optimizer`, `Dataset`, `Result`, `epoch`, `fit`, state files."""
+
+from jgraph.training.accumulate import accumulate
+from jgraph.training.dataset import Dataset
+from jgraph.training.fit import History, epoch, fit
+from jgraph.training.optimizer import Optimizer, StepOutput, TrainState
+from jgraph.training.optimizer_step import optimizer_step
+from jgraph.training.reset import reset
+from jgraph.training.result import Result
+from jgraph.training.state_io import StateFileError
+
+__all__ = [
+    "Dataset", "History", "Optimizer", "Result", "StateFileError", "StepOutput", "TrainState",
+    "accumulate", "epoch", "fit", "optimizer_step", "reset",
+]

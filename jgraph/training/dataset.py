@@ -1,0 +1,67 @@
+"""`Dataset`: ggml_opt_dataset — datapoints (and labels) in shards, served in a shuffled order.
+
+Datapoints are the leading axis of `data` (and `labels`). They are grouped into shards of
+`shard_size` consecutive datapoints; a remainder that does not fill a shard is never served. A
+shard permutation decides the order: `shuffle(key, idata)` permutes all shards, or only those of
+the first `idata` datapoints (which keeps a validation tail fixed), with an explicit JAX key.
+`batch(ibatch, batch_size)` serves the `ibatch`-th block of shards; a shard stays in order.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jgraph.errors import JGraphError
+
+
+class Dataset:
+    """Data (and labels) on the host, served in batches of whole shards."""
+
+    def __init__(self, data, labels=None, shard_size: int = 1):
+        self.data = np.asarray(data)
+        self.labels = None if labels is None else np.asarray(labels)
+        if self.data.ndim == 0 or len(self.data) == 0:
+            raise JGraphError("Dataset: data needs a leading axis of at least one datapoint")
+        if self.labels is not None and len(self.labels) != len(self.data):
+            raise JGraphError(f"Dataset: {len(self.labels)} labels for {len(self.data)} datapoints")
+        if not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
+            raise JGraphError(f"Dataset: shard_size must be a positive int, got {shard_size!r}")
+        self.shard_size = int(shard_size)
+        self.permutation = np.arange(len(self.data) // self.shard_size, dtype=np.int64)
+
+    @property
+    def ndata(self) -> int:
+        """Datapoints that can be served (whole shards only)."""
+        return len(self.permutation) * self.shard_size
+
+    @property
+    def nshards(self) -> int:
+        return len(self.permutation)
+
+    def shuffle(self, key, idata: int | None = None) -> Dataset:
+        """Permute the shards (all, or those of the first `idata` datapoints) in place."""
+        if idata is None or idata < 0:
+            n = self.nshards
+        else:
+            if idata % self.shard_size or idata > self.ndata:
+                raise JGraphError(f"Dataset.shuffle: idata={idata} must be a multiple of the "
+                                  f"shard size {self.shard_size} and at most {self.ndata}")
+            n = idata // self.shard_size
+        if n > 1:
+            order = np.asarray(jax.random.permutation(key, n))
+            self.permutation[:n] = self.permutation[:n][order]
+        return self
+
+    def batch(self, ibatch: int, batch_size: int):
+        """`(data, labels)` of batch `ibatch` (labels None without labels), as numpy arrays."""
+        if batch_size % self.shard_size:
+            raise JGraphError(f"Dataset.batch: batch size {batch_size} is not a multiple of the "
+                              f"shard size {self.shard_size}")
+        per = batch_size // self.shard_size
+        if ibatch < 0 or (ibatch + 1) * per > self.nshards:
+            raise JGraphError(f"Dataset.batch: batch {ibatch} of size {batch_size} is out of "
+                              f"range ({self.ndata} datapoints)")
+        shards = self.permutation[ibatch * per:(ibatch + 1) * per]
+        idx = (shards[:, None] * self.shard_size + np.arange(self.shard_size)).reshape(-1)
+        return self.data[idx], None if self.labels is None else self.labels[idx]

@@ -1,0 +1,75 @@
+"""`reset(g)`: the graph producing the reset value of every state input of a training graph.
+
+ggml_graph_reset made a pure function: given the params, it returns accumulators set to zero, the
+micro-step counter set to 0, a loss seed of 1 and the optimizer state as `tx.init` gives it (which
+zeroes AdamW's moments and its step count). The result is called as `reset_graph(params)` and
+returns a dict with the parts the training graph has: `grad_acc`, `opt_state`, `counter`,
+`loss_seed`. (Zeroing the accumulators at the start of each period happens inside the micro-step
+graph, see `jgraph.training.accumulate`; this graph builds the initial state and serves
+`Optimizer.reset`.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgraph.builder import Builder
+from jgraph.errors import TransformError
+from jgraph.ir import Graph, Var
+from jgraph.training.graphs import LEAF, grad_params, grads_tree
+
+
+def _zeros(*, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def _ones(*, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
+def _init(*params, tx, tree):
+    return jax.tree.leaves(tx.init(jax.tree.unflatten(tree, params)))
+
+
+def reset(graph: Graph) -> Graph:
+    """The graph `params -> {state part: reset value}` for the state inputs of `graph`."""
+    tree = grads_tree(graph)
+    params = tuple(Var(p.aval) for p in grad_params(graph))
+    b = Builder()
+    parts: dict[str, tuple[list, list, object]] = {}  # name -> (outputs, roles, treedef)
+
+    def zeros_like(role, fill):
+        vs = graph.inputs_with_role(role)
+        return [b.call(fill, shape=v.aval.shape, dtype=v.aval.dtype)[0] for v in vs]
+
+    if "accumulator" in graph.input_roles:
+        parts["grad_acc"] = (zeros_like("accumulator", _zeros), "new_accumulator", tree)
+    if "counter" in graph.input_roles:
+        parts["counter"] = (zeros_like("counter", _zeros), "new_counter", LEAF)
+    if "loss_seed" in graph.input_roles:
+        parts["loss_seed"] = (zeros_like("loss_seed", _ones), "new_loss_seed", LEAF)
+    if "opt_state" in graph.input_roles or "tx" in graph.info:  # (SGD's state has no leaves)
+        tx, state_tree = graph.info.get("tx"), graph.info.get("opt_state_tree")
+        if tx is None:
+            raise TransformError("reset: the graph has opt_state inputs but no recorded optax "
+                                 "transformation (build it with jg.optimizer_step)")
+        outs = b.call(_init, *params, tx=tx, tree=tree)
+        parts["opt_state"] = (outs, "new_opt_state", state_tree)
+    if not parts:
+        raise TransformError("reset: the graph has no state inputs (accumulator, opt_state, "
+                             "counter, loss_seed) to reset")
+    names = sorted(parts)  # the flattening order of a dict
+    out_tree = jax.tree.structure({k: jax.tree.unflatten(parts[k][2], [0] * parts[k][2].num_leaves)
+                                   for k in names})
+    return Graph(
+        inputs=params,
+        eqns=tuple(b.eqns),
+        outputs=tuple(a for k in names for a in parts[k][0]),
+        input_roles=("param",) * len(params),
+        output_roles=tuple(parts[k][1] for k in names for _ in parts[k][0]),
+        in_tree=jax.tree.structure((jax.tree.unflatten(tree, [0] * tree.num_leaves),)),
+        out_tree=out_tree,
+        param_argnums=0,
+        info={"grads_tree": tree, "resets": tuple(names)},
+    )
