@@ -5,13 +5,16 @@ VJP rules (`backward`), rematerialize, accumulate and step as graph -> graph tra
 result through XLA (`compile`).
 """
 
-from jgraph import testing  # noqa: E402  (jg.testing.check_grads)
+from jgraph import policies, testing  # noqa: E402  (jg.testing.check_grads)
 from jgraph.backward import backward
 from jgraph.check import check
+from jgraph.checkpoint import checkpoint, checkpoint_name
 from jgraph.errors import GraphError, JGraphError, TraceError, TransformError
 from jgraph.interpreter import Interpreter, evaluate
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.lower import compile
+from jgraph.memory import compiled_memory, memory
+from jgraph.remat import remat
 from jgraph.to_jax import to_jax
 from jgraph.trace import trace
 from jgraph.training import (Dataset, Optimizer, Result, accumulate, epoch, fit, optimizer_step,
@@ -21,6 +24,7 @@ __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
     "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
     "testing", "to_jax",
+    "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
 ]
 __version__ = "0.1.0"

@@ -2,18 +2,101 @@
 
 The lowered function is the interpreter loop run on JAX tracers: each eqn binds its op's lowering.
 The result composes with the user's own `jax.jit`, `vmap` and donated steps like any JAX function.
+
+Recompute protection. A recomputed eqn is the same op on the same values as its forward original,
+so XLA's CSE would merge the two and keep the forward value alive: the remat would save nothing.
+`optimization_barrier` does not prevent that on XLA:CPU, whose `cse_barrier_expander` deletes
+barriers before CSE (jax-ml/jax#19822). So the lowering makes each group of consecutive `no_cse`
+eqns data dependent on the latest value computed before the group (a backward cotangent, or the
+loss): every value the group reads from outside goes through
+
+    select(c < c, zeros, x)    with c = the first element of that anchor value,
+
+which is `x` bit for bit (`c < c` is false for every float, NaN included) but which XLA cannot fold:
+it does not simplify float compares of a value with itself. The recompute therefore differs from
+the forward for CSE, and it cannot start before the anchor exists, i.e. before the backward has
+reached it. This holds with default flags, on every backend, and inside a user's own `jax.jit`.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
-from jgraph.ir import Graph
+from jgraph.ir import Graph, Var, is_float
+
+
+def _taintable(aval) -> bool:
+    return not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
+
+
+def _anchorable(aval) -> bool:
+    return is_float(aval) and not jnp.issubdtype(aval.dtype, jnp.complexfloating) \
+        and aval.size > 0
+
+
+def protection_plan(graph: Graph):
+    """For each `no_cse` eqn reading values from outside its group: (group, input positions);
+    and for each group, the anchor variable its recompute waits for (None: nothing to wait on)."""
+    plan, anchors = {}, []
+    protected: set[Var] = set()  # outputs of no_cse eqns: already distinct from the forward
+    latest = next((v for v in graph.inputs if _anchorable(v.aval)), None)
+    in_group = False
+    for eqn in graph.eqns:
+        if "no_cse" not in eqn.tags:
+            in_group = False
+            if "recompute" not in eqn.tags:
+                latest = next((v for v in reversed(eqn.outputs) if _anchorable(v.aval)), latest)
+            continue
+        if not in_group:
+            anchors.append(latest)
+            in_group = True
+        if latest is not None and not any(a in protected for a in eqn.inputs
+                                          if isinstance(a, Var)):
+            positions = tuple(k for k, a in enumerate(eqn.inputs)
+                              if isinstance(a, Var) and _taintable(a.aval))
+            if positions:
+                plan[eqn] = (len(anchors) - 1, positions)
+        protected.update(eqn.outputs)
+    return plan, anchors
 
 
 class Lowering(Interpreter):
-    """The interpreter used for lowering (transforms that need special lowering hook in here)."""
+    """The interpreter used for lowering; it protects recompute eqns from XLA's CSE."""
+
+    def run(self, graph: Graph, *args):
+        self.plan, self.anchors = protection_plan(graph)
+        self.anchor_set = {v for v in self.anchors if v is not None}
+        self.anchor_values, self.preds, self.tainted = {}, {}, {}
+        for v, x in zip(graph.inputs, args, strict=True):
+            self._remember_anchor(v, x)
+        return super().run(graph, *args)
+
+    def _remember_anchor(self, v, x):
+        if v in self.anchor_set:
+            self.anchor_values[v] = x
+
+    def eval_eqn(self, eqn, values):
+        step = self.plan.get(eqn)
+        if step is not None:
+            group, positions = step
+            values = list(values)
+            for k in positions:
+                values[k] = self._taint(group, eqn.inputs[k], values[k])
+        outs = super().eval_eqn(eqn, values)
+        for v, x in zip(eqn.outputs, outs, strict=True):
+            self._remember_anchor(v, x)
+        return outs
+
+    def _taint(self, group, var, x):
+        if (group, var) not in self.tainted:
+            if group not in self.preds:
+                anchor = jnp.reshape(self.anchor_values[self.anchors[group]], (-1,))[0]
+                self.preds[group] = lax.lt(anchor, anchor)
+            self.tainted[(group, var)] = jnp.where(self.preds[group], jnp.zeros_like(x), x)
+        return self.tainted[(group, var)]
 
 
 def as_function(graph: Graph):

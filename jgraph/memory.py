@@ -1,0 +1,186 @@
+"""Memory reports: an estimate on the graph's schedule, and XLA's figures for the compiled step.
+
+`memory(graph)` walks the schedule (the order of `graph.eqns`) as the interpreter does: a value is
+live from the eqn that produces it to its last reader (outputs: to the end). It reports the bytes
+of produced values live at each eqn and their peak (graph inputs are counted apart, in
+`argument_bytes`), and the saved residuals: the values the backward (or a recompute) reads from
+the forward, each with its provenance, as `jax.ad_checkpoint.print_saved_residuals` prints them.
+
+`compiled_memory(graph, *args)` compiles the *donated training step* of the graph and returns
+XLA's `memory_analysis()` figures. The step takes the graph's state inputs (params, accumulators,
+optimizer state, counters) as one donated argument and the rest (data, labels, loss seed) as
+another. If the graph updates its params itself (it has `new_param` outputs) the step is the graph;
+otherwise the grads feed a plain SGD update `p - 0.001 * g` of the params, and the step returns the
+updated state with the graph's other outputs. Donation matters: without it XLA:CPU places
+activations in the not yet written gradient outputs, and `temp_size_in_bytes` misleads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jgraph.interpreter import flatten_args, last_uses
+from jgraph.ir import Graph, Var, short_aval
+from jgraph.lower import Lowering
+
+STATE_ROLES = ("param", "accumulator", "opt_state", "counter")
+
+
+def nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Residual:
+    var: Var  # the forward value read by the backward
+    provenance: str  # "from the argument [0]['w']", "named 'z' from f.py:3", "output of tanh ..."
+
+    def __str__(self):
+        return f"{short_aval(self.var.aval)} {self.provenance}"
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    peak_bytes: int  # most bytes of produced values live at once
+    peak_eqn: int  # index of the eqn where the peak is reached (-1: no eqns)
+    live_bytes: tuple[int, ...]  # per eqn: bytes of produced values live while it runs
+    argument_bytes: int  # bytes of the graph's inputs
+    residuals: tuple[Residual, ...]  # forward values read by the backward, in schedule order
+
+    @property
+    def residual_bytes(self) -> int:
+        return sum(nbytes(r.var.aval) for r in self.residuals)
+
+    def __str__(self):
+        lines = [f"peak {self.peak_bytes / 2**20:.2f} MiB at eqn {self.peak_eqn}, "
+                 f"arguments {self.argument_bytes / 2**20:.2f} MiB, "
+                 f"{len(self.residuals)} saved residuals ({self.residual_bytes / 2**20:.2f} MiB):"]
+        lines += [f"  {r}" for r in self.residuals]
+        return "\n".join(lines)
+
+
+def memory(graph: Graph) -> MemoryReport:
+    """Live bytes per eqn on the graph's schedule, their peak, and the saved residuals."""
+    last = last_uses(graph)
+    live, total, per_eqn = {}, 0, []
+    for i, eqn in enumerate(graph.eqns):
+        for v in eqn.outputs:
+            live[v] = nbytes(v.aval)
+            total += live[v]
+        per_eqn.append(total)
+        for v in [*eqn.outputs, *eqn.inputs]:  # free what this eqn was the last to read
+            if isinstance(v, Var) and v in live and last.get(v, i) <= i:
+                total -= live.pop(v)
+    peak = max(per_eqn, default=0)
+    return MemoryReport(
+        peak_bytes=peak,
+        peak_eqn=per_eqn.index(peak) if per_eqn else -1,
+        live_bytes=tuple(per_eqn),
+        argument_bytes=sum(nbytes(v.aval) for v in graph.inputs),
+        residuals=tuple(saved_residuals(graph)),
+    )
+
+
+def saved_residuals(graph: Graph) -> list[Residual]:
+    """Forward values (and inputs) read by backward or recompute eqns, with provenance."""
+    producer = {v: e for e in graph.eqns if not ({"backward", "recompute"} & e.tags)
+                for v in e.outputs}
+    arg_names = _argument_names(graph)
+    found, out = set(), []
+    for eqn in graph.eqns:
+        if not ({"backward", "recompute"} & eqn.tags):
+            continue
+        for a in eqn.inputs:
+            if not isinstance(a, Var) or a in found or not (a in producer or a in arg_names):
+                continue
+            found.add(a)
+            out.append(Residual(a, _provenance(a, producer.get(a), arg_names)))
+    return out
+
+
+def _argument_names(graph: Graph) -> dict[Var, str]:
+    if graph.in_tree is None:
+        return {v: f"[{k}]" for k, v in enumerate(graph.inputs)}
+    tree = jax.tree.unflatten(graph.in_tree, list(range(len(graph.inputs))))
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {graph.inputs[k]: jax.tree_util.keystr(path) for path, k in paths}
+
+
+def _provenance(v: Var, eqn, arg_names) -> str:
+    if eqn is None:
+        return f"from the argument {arg_names[v]}"
+    where = f" from {eqn.source}" if eqn.source else ""
+    if eqn.op == "name":
+        return f"named {eqn.params.get('name')!r}{where}"
+    return f"output of {eqn.op}{where}"
+
+
+# -- XLA's figures for the donated training step ---------------------------------------------------
+@dataclass(frozen=True)
+class CompiledMemory:
+    temp_bytes: int  # XLA temp_size_in_bytes: buffers that are neither arguments nor outputs
+    argument_bytes: int  # argument_size_in_bytes
+    output_bytes: int  # output_size_in_bytes
+    alias_bytes: int  # alias_size_in_bytes: outputs written into donated arguments
+    dots: int  # `dot(` instructions in the compiled HLO (recomputed matmuls show up here)
+
+    def __str__(self):
+        mib = 2**20
+        return (f"temp {self.temp_bytes / mib:.2f} MiB, arguments {self.argument_bytes / mib:.2f}"
+                f" MiB, outputs {self.output_bytes / mib:.2f} MiB, aliased "
+                f"{self.alias_bytes / mib:.2f} MiB, {self.dots} dots")
+
+
+def donated_step(graph: Graph, learning_rate: float = 1e-3):
+    """`(step, split)`: `step(state, rest)` is the training step of the graph, jitted with
+    `state` donated; `split(*args)` turns the graph's call arguments into `(state, rest)`."""
+    is_state = [r in STATE_ROLES for r in graph.input_roles]
+    updates_itself = any(r == "new_param" for r in graph.output_roles)
+    params = [k for k, r in enumerate(graph.input_roles) if r == "param"]
+    grads = [k for k, r in enumerate(graph.output_roles) if r == "grad"]
+    sgd = not updates_itself and len(grads) == len(params) > 0
+    grad_params = _params_in_grad_order(graph) if sgd else []
+    lowering = Lowering()
+
+    def step(state, rest):
+        state, rest = iter(state), iter(rest)
+        flat = [next(state) if s else next(rest) for s in is_state]
+        outs = lowering.run(graph, *flat)
+        if not sgd:
+            return outs
+        new = dict(enumerate(flat))
+        for k, g in zip(grad_params, [outs[i] for i in grads], strict=True):
+            new[k] = flat[k] - learning_rate * g
+        others = [o for i, o in enumerate(outs) if i not in grads]
+        return [new[k] for k, s in enumerate(is_state) if s], others
+
+    def split(*args):
+        flat = flatten_args(graph, args)
+        return ([x for x, s in zip(flat, is_state, strict=True) if s],
+                [x for x, s in zip(flat, is_state, strict=True) if not s])
+
+    return jax.jit(step, donate_argnums=0), split
+
+
+def _params_in_grad_order(graph: Graph) -> list[int]:
+    from jgraph.backward import _params_in_grad_order as order
+
+    index = {v: k for k, v in enumerate(graph.inputs)}
+    return [index[v] for v in order(graph)]
+
+
+def compiled_memory(graph: Graph, *args) -> CompiledMemory:
+    """XLA's memory figures for the compiled donated training step of `graph` on `args`."""
+    step, split = donated_step(graph)
+    compiled = step.lower(*split(*args)).compile()
+    stats = compiled.memory_analysis()
+    return CompiledMemory(
+        temp_bytes=int(stats.temp_size_in_bytes),
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        dots=compiled.as_text().count(" dot("),
+    )

@@ -1,0 +1,80 @@
+"""Remat policies: which values a checkpoint region saves for its backward, by the producing eqn.
+
+A policy is a callable `policy(prim, *in_avals, **params)`, exactly as `jax.checkpoint(policy=...)`
+takes, so the policies here work in `jax.checkpoint` too, and JAX's own policy objects recorded by
+the tracer work in `jgraph.remat`. `prim` is the JAX primitive of the eqn's op (a stand-in with a
+`name` for jgraph's own ops). A policy answers True (save) or False (recompute), or one of JAX's
+`Saveable` / `Recompute` / `Offloadable` markers; offloading is treated as saving.
+
+Every name of `jax.checkpoint_policies` is here. `save_anything_except_these_names` really excludes
+its names (JAX 0.10.2's version ignores them): `jgraph.remat` also refuses to save the value under
+the excluded name through its unnamed producer, which is the same array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax import ad_checkpoint as _jax_ad_checkpoint
+from jax._src.interpreters import partial_eval as _pe
+
+from jgraph import ops
+
+_JAX = _jax_ad_checkpoint.checkpoint_policies
+
+# The policies whose meaning is the same in JAX and jgraph are JAX's own objects.
+everything_saveable = _JAX.everything_saveable
+nothing_saveable = _JAX.nothing_saveable
+dots_saveable = checkpoint_dots = _JAX.dots_saveable
+dots_with_no_batch_dims_saveable = _JAX.dots_with_no_batch_dims_saveable
+checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
+offload_dot_with_no_batch_dims = _JAX.offload_dot_with_no_batch_dims
+save_only_these_names = _JAX.save_only_these_names
+save_any_names_but_these = _JAX.save_any_names_but_these
+save_from_both_policies = _JAX.save_from_both_policies
+save_and_offload_only_these_names = _JAX.save_and_offload_only_these_names
+
+
+@dataclass(frozen=True)
+class SaveAnythingExceptTheseNames:
+    """Save every value except those named (by `checkpoint_name`) with one of `excluded_names`."""
+
+    excluded_names: frozenset[str]
+
+    def __call__(self, prim, *_, **params):
+        return not (prim.name == "name" and params.get("name") in self.excluded_names)
+
+
+def save_anything_except_these_names(*names):
+    """Save any values (not only named ones) except the values named with one of `names`."""
+    return SaveAnythingExceptTheseNames(frozenset(names))
+
+
+def excluded_names(policy) -> frozenset[str]:
+    """Names whose values `policy` refuses to save under any alias (empty for most policies)."""
+    return getattr(policy, "excluded_names", frozenset())
+
+
+@dataclass(frozen=True)
+class _OpStandIn:
+    """What a policy sees as `prim` for jgraph's own ops, which are not JAX primitives."""
+
+    name: str
+
+
+def saves(policy, eqn) -> bool:
+    """Does `policy` save the outputs of `eqn`? (None saves nothing, as in `jax.checkpoint`.)"""
+    if policy is None:
+        return False
+    prim = ops.primitives.get(eqn.op) or _OpStandIn(eqn.op)
+    answer = policy(prim, *(a.aval for a in eqn.inputs), **eqn.params)
+    if isinstance(answer, bool):
+        return answer
+    return answer is not _pe.Recompute  # Saveable, or Offloadable (saved on device here)
+
+
+def policy_name(policy) -> str:
+    if policy is None:
+        return "nothing_saveable"
+    return getattr(policy, "__name__", type(policy).__name__)
+

@@ -1,0 +1,183 @@
+"""`remat`: rematerialize checkpoint regions in a joint forward + backward graph.
+
+Input: a graph from `jgraph.backward` (forward eqns are those without the `backward` tag) whose
+forward eqns carry the checkpoint regions recorded while tracing (`jax.checkpoint`,
+`jgraph.checkpoint`), outermost first. Output: the same graph in which the backward reads, instead
+of a region's inner values, copies recomputed from what the region keeps (DESIGN §4.2).
+
+A value v produced inside region r *crosses* r (survives its end) iff v is read outside r (by a
+forward eqn or as a graph output), or r's policy saves v's producing eqn, or that op must not be
+run twice (stateful RNG). Region inputs and params are defined outside the region, so they are
+always at hand. Regions nest as in JAX: the *home* of v is the deepest region on its path that v
+does not cross. Values with no home are kept from the forward. A value whose home is region R is
+recomputed once, in R's recompute, from the values kept at R's level, which may themselves be
+recomputed copies of an enclosing region's recompute; while R is recomputed, a region nested in R
+again keeps only what crosses it, so recursive checkpointing gives logarithmic memory.
+
+Recompute is demand driven: a copy is emitted just before the first eqn that reads it, so nothing
+is recomputed that no backward eqn reads. Copies are tagged `recompute` (and `no_cse` when the
+region asks for CSE prevention, as `jax.checkpoint` does by default; `jgraph.lower` then protects
+them from XLA's CSE). Random values are replayed: a copy of `random_bits` reads the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jgraph import policies
+from jgraph.errors import TransformError
+from jgraph.ir import Eqn, Graph, Region, Var
+from jgraph.passes import dce
+
+# Ops whose outputs are never recomputed: running them again would not give the same values.
+NEVER_RECOMPUTED = frozenset({"rng_uniform"})
+
+
+def is_forward(eqn: Eqn) -> bool:
+    return not ({"backward", "recompute"} & eqn.tags)
+
+
+def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
+    """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region."""
+    if budget is not None:
+        raise TransformError("remat(budget=...): automatic planning under a memory budget is a "
+                             "planned capability that is not built yet")
+    if not any("backward" in e.tags for e in graph.eqns):
+        raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
+                             "first (this graph has no eqn tagged 'backward')")
+    if policy is not None:
+        graph = _with_whole_forward_region(graph, policy)
+    if not graph.regions:
+        return graph
+    planner = _Planner(graph)
+    eqns = []
+    for eqn in graph.eqns:
+        if not is_forward(eqn):
+            inputs = tuple(planner.read(a, planner.home(a), eqns) for a in eqn.inputs)
+            if any(x is not a for x, a in zip(inputs, eqn.inputs, strict=True)):
+                eqn = dataclasses.replace(eqn, inputs=inputs)
+        eqns.append(eqn)
+    counts = {r.id: 0 for r in graph.regions}
+    for region_id in planner.emitted.values():
+        counts[region_id] += 1
+    info = dict(graph.info, remat={"recomputed_eqns": counts, "policy": _policy_label(policy)})
+    return dce(graph.replace(eqns=tuple(eqns), info=info))
+
+
+def _policy_label(policy):
+    return None if policy is None else policies.policy_name(policy)
+
+
+def _with_whole_forward_region(graph: Graph, policy) -> Graph:
+    """The graph with one more outermost region, with `policy`, holding every forward eqn."""
+    whole = max((r.id for r in graph.regions), default=-1) + 1
+    regions = (Region(whole, None, policy, True, "remat(policy=...)"),) + tuple(
+        dataclasses.replace(r, parent=whole) if r.parent is None else r for r in graph.regions)
+    eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions) if is_forward(e) else e
+                 for e in graph.eqns)
+    return graph.replace(eqns=eqns, regions=regions)
+
+
+class _Planner:
+    """Which region each forward value crosses, its home, and the recompute copies emitted."""
+
+    def __init__(self, graph: Graph):
+        self.regions = {r.id: r for r in graph.regions}
+        self.producer: dict[Var, Eqn] = {}
+        forward = [e for e in graph.eqns if is_forward(e)]
+        for eqn in forward:
+            for r in eqn.regions:
+                if r not in self.regions:
+                    raise TransformError(f"eqn {eqn.op} at {eqn.source or '?'} names checkpoint "
+                                         f"region {r}, which the graph does not have")
+            self.producer.update((v, eqn) for v in eqn.outputs)
+        self.crosses: set[tuple[Var, int]] = set()
+        for eqn in forward:  # read outside: a region output
+            for a in eqn.inputs:
+                if isinstance(a, Var) and a in self.producer:
+                    inside = set(eqn.regions)
+                    self.crosses.update((a, r) for r in self.producer[a].regions if r not in inside)
+        for a in graph.outputs:
+            if isinstance(a, Var) and a in self.producer:
+                self.crosses.update((a, r) for r in self.producer[a].regions)
+        refused = self._refused_by_name(forward)
+        for eqn in forward:  # saved by the region's policy
+            for r in eqn.regions:
+                policy = self.regions[r].policy
+                if eqn.op in NEVER_RECOMPUTED or (
+                        (eqn, r) not in refused and policies.saves(policy, eqn)):
+                    self.crosses.update((v, r) for v in eqn.outputs)
+        self.paths = {r: self._path(r) for r in self.regions}
+        self.copies: dict[tuple[Var, int], Var] = {}
+        self.emitted: dict[Eqn, int] = {}  # recompute eqn -> the region it recomputes
+
+    def _path(self, region_id):
+        path = []
+        while region_id is not None:
+            path.append(region_id)
+            region_id = self.regions[region_id].parent
+        return tuple(reversed(path))
+
+    def _refused_by_name(self, forward) -> set[tuple[Eqn, int]]:
+        """(producer, region) pairs whose value a policy excludes by name, through `name` eqns."""
+        refused = set()
+        for eqn in forward:
+            if eqn.op != "name":
+                continue
+            for r in eqn.regions:
+                if eqn.params.get("name") in policies.excluded_names(self.regions[r].policy):
+                    source = eqn
+                    while source.op == "name" and isinstance(source.inputs[0], Var) \
+                            and source.inputs[0] in self.producer:
+                        source = self.producer[source.inputs[0]]
+                        refused.add((source, r))
+        return refused
+
+    def home(self, atom):
+        """The deepest region on `atom`'s path it does not cross (None: kept from the forward)."""
+        if not isinstance(atom, Var) or atom not in self.producer:
+            return None
+        for r in reversed(self.producer[atom].regions):
+            if (atom, r) not in self.crosses:
+                return r
+        return None
+
+    def phase(self, v, region_id):
+        """The recompute (a region id) that provides `v` inside region `region_id`'s recompute."""
+        home = self.home(v)
+        if home is None:
+            return None
+        return home if home in self.paths[region_id][:-1] else region_id
+
+    def read(self, atom, region_id, out: list) -> object:
+        """`atom` as seen in `region_id`'s recompute, emitting into `out` the copies it needs."""
+        if region_id is None:
+            return atom
+        phase = self.phase(atom, region_id)
+        if phase is None:
+            return atom
+        todo = [(self.producer[atom], phase)]
+        while todo:  # depth first over the producers still missing, without recursion
+            eqn, phase = todo[-1]
+            if (eqn.outputs[0], phase) in self.copies:
+                todo.pop()
+                continue
+            missing = [(self.producer[a], p) for a in eqn.inputs
+                       if (p := self.phase(a, phase)) is not None and (a, p) not in self.copies]
+            if missing:
+                todo.extend(missing)
+                continue
+            todo.pop()
+            out.append(self._copy(eqn, phase))
+        return self.copies[(atom, self.phase(atom, region_id))]
+
+    def _copy(self, eqn: Eqn, phase: int) -> Eqn:
+        inputs = tuple(a if (p := self.phase(a, phase)) is None else self.copies[(a, p)]
+                       for a in eqn.inputs)
+        outputs = tuple(Var(v.aval) for v in eqn.outputs)
+        self.copies.update(((v, phase), c) for v, c in zip(eqn.outputs, outputs, strict=True))
+        tags = {"recompute", "no_cse"} if self.regions[phase].prevent_cse else {"recompute"}
+        copy = dataclasses.replace(eqn, inputs=inputs, outputs=outputs, tags=frozenset(tags),
+                                   regions=())
+        self.emitted[copy] = phase
+        return copy
