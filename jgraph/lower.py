@@ -38,9 +38,10 @@ def _anchorable(aval) -> bool:
 
 
 def protection_plan(graph: Graph):
-    """For each `no_cse` eqn reading values from outside its group: (group, input positions);
-    and for each group, the anchor variable its recompute waits for (None: nothing to wait on)."""
+    """For each `no_cse` eqn: (its group, the input position to taint, or None if it reads a value
+    the group already protects); for each group, the anchor variable it waits for (or None)."""
     plan, anchors = {}, []
+    params = set(graph.inputs_with_role("param"))
     protected: set[Var] = set()  # outputs of no_cse eqns: already distinct from the forward
     latest = next((v for v in graph.inputs if _anchorable(v.aval)), None)
     in_group = False
@@ -53,18 +54,24 @@ def protection_plan(graph: Graph):
         if not in_group:
             anchors.append(latest)
             in_group = True
-        if latest is not None and not any(a in protected for a in eqn.inputs
-                                          if isinstance(a, Var)):
-            positions = tuple(k for k, a in enumerate(eqn.inputs)
-                              if isinstance(a, Var) and _taintable(a.aval))
-            if positions:
-                plan[eqn] = (len(anchors) - 1, positions)
+        candidates = [(a in params, a.aval.size * a.aval.dtype.itemsize, k)
+                      for k, a in enumerate(eqn.inputs) if isinstance(a, Var)]
+        candidates = [c for c in candidates if _taintable(eqn.inputs[c[2]].aval)]
+        position = None
+        if latest is not None and candidates and not any(a in protected for a in eqn.inputs):
+            position = min(candidates)[2]  # the cheapest input to copy: the smallest non-param
+        plan[eqn] = (len(anchors) - 1, position)
         protected.update(eqn.outputs)
     return plan, anchors
 
 
 class Lowering(Interpreter):
-    """The interpreter used for lowering; it protects recompute eqns from XLA's CSE."""
+    """The interpreter used for lowering; it protects recompute eqns from XLA's CSE.
+
+    Each eqn of a group reads the group's tainted copy of a value once the group has made one.
+    Only one input per eqn is tainted, the smallest that is not a param, so the copies are small
+    and short-lived: they die within their group (the backward keeps reading the original).
+    """
 
     def run(self, graph: Graph, *args):
         self.plan, self.anchors = protection_plan(graph)
@@ -81,9 +88,10 @@ class Lowering(Interpreter):
     def eval_eqn(self, eqn, values):
         step = self.plan.get(eqn)
         if step is not None:
-            group, positions = step
-            values = list(values)
-            for k in positions:
+            group, k = step
+            values = [self.tainted.get((group, a), x) if isinstance(a, Var) else x
+                      for a, x in zip(eqn.inputs, values, strict=True)]
+            if k is not None:
                 values[k] = self._taint(group, eqn.inputs[k], values[k])
         outs = super().eval_eqn(eqn, values)
         for v, x in zip(eqn.outputs, outs, strict=True):
