@@ -10,42 +10,56 @@ Outputs are arranged as `jax.value_and_grad(fn, argnums=param_argnums, has_aux=h
 
 from __future__ import annotations
 
+import functools
+import gc
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jgraph import vjp
 from jgraph.builder import Builder
 from jgraph.errors import TransformError
-from jgraph.ir import Graph, Literal, Var, is_float, short_aval
+from jgraph.ir import Graph, Literal, Var, short_aval
 from jgraph.passes import dce
 
 
 def needs_gradient(graph: Graph, loss: Var) -> set[Var]:
     """Floating variables on a path from a param input to `loss`."""
-    active = {v for v, r in zip(graph.inputs, graph.input_roles) if r == "param" and is_float(v.aval)}
+    active = {v for v, r in zip(graph.inputs, graph.input_roles, strict=True)
+              if r == "param" and _floating(v.aval.dtype)}
     for eqn in graph.eqns:
         if eqn.op in vjp.CUTS_GRADIENT:
             continue
-        if any(isinstance(a, Var) and a in active for a in eqn.inputs):
-            active.update(v for v in eqn.outputs if is_float(v.aval))
+        if any(type(a) is Var and a in active for a in eqn.inputs):
+            active.update(v for v in eqn.outputs if _floating(v.aval.dtype))
     useful = {loss} if isinstance(loss, Var) else set()
     for eqn in reversed(graph.eqns):
-        if any(v in useful for v in eqn.outputs) and eqn.op not in vjp.CUTS_GRADIENT:
-            useful.update(a for a in eqn.inputs if isinstance(a, Var))
+        if eqn.op not in vjp.CUTS_GRADIENT and any(v in useful for v in eqn.outputs):
+            useful.update(a for a in eqn.inputs if type(a) is Var)
     return active & useful
+
+
+@functools.lru_cache(maxsize=None)
+def _floating(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _loss_output(graph: Graph):
     losses = [k for k, r in enumerate(graph.output_roles) if r == "loss"]
     if len(losses) != 1:
-        outs = ", ".join(f"{short_aval(a.aval)}@{r}" for a, r in zip(graph.outputs,
-                                                                       graph.output_roles))
+        outs = ", ".join(f"{short_aval(a.aval)}@{r}"
+                         for a, r in zip(graph.outputs, graph.output_roles, strict=True))
         raise TransformError(
-            "backward needs exactly one output with role 'loss' (a floating scalar); this graph "
-            f"returns ({outs}). Trace a function returning a scalar loss (or (loss, aux) with "
-            "has_aux=True)."
+            "backward needs exactly one output with role 'loss', and a loss must be a floating "
+            f"scalar; this graph returns ({outs}). Trace a function returning a floating scalar "
+            "loss (or (loss, aux) with has_aux=True)."
         )
-    return graph.outputs[losses[0]]
+    loss = graph.outputs[losses[0]]
+    if loss.aval.shape != () or not _floating(loss.aval.dtype):
+        raise TransformError(f"backward: the loss must be a floating scalar, got "
+                             f"{short_aval(loss.aval)}")
+    return loss
 
 
 def backward(graph: Graph) -> Graph:
@@ -62,25 +76,43 @@ def backward(graph: Graph) -> Graph:
     if accumulators and len(accumulators) != len(params):
         raise TransformError(f"backward: {len(accumulators)} accumulator inputs for "
                              f"{len(params)} params")
-    needs = needs_gradient(graph, loss)
+    # The pass allocates two objects per eqn and frees none: the cyclic collector would rescan
+    # the whole graph again and again (quadratic time), so it is paused.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        grads, eqns = _backward_eqns(graph, loss, params, seeds, accumulators)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return dce(graph.replace(
+        eqns=graph.eqns + eqns,
+        outputs=graph.outputs + tuple(grads),
+        output_roles=graph.output_roles + ("grad",) * len(grads),
+        out_tree=_value_and_grad_tree(graph),
+    ))
 
+
+def _backward_eqns(graph, loss, params, seeds, accumulators):
+    """The backward eqns, walking the schedule in reverse; returns (grad atoms, eqns)."""
+    needs = needs_gradient(graph, loss)
     b = Builder(tags={"backward"})
     cts: dict[Var, object] = {}
 
     def add_ct(v, ct):
-        cts[v] = ct if v not in cts else b.call(vjp.add_cotangents, cts[v], ct)[0]
+        cts[v] = ct if v not in cts else vjp.emit(b, vjp.add_cotangents, cts[v], ct)[0]
 
     if isinstance(loss, Var) and loss in needs:
-        add_ct(loss, seeds[0] if seeds else Literal(jnp.ones((), loss.aval.dtype), loss.aval))
+        add_ct(loss, seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval))
     for eqn in reversed(graph.eqns):
         if not any(v in cts for v in eqn.outputs):
             continue
-        if not any(isinstance(a, Var) and a in needs for a in eqn.inputs):
+        if not any(type(a) is Var and a in needs for a in eqn.inputs):
             continue
-        b.source, b.regions = eqn.source, ()
+        b.source = eqn.source
         out_cts = [cts.pop(v, None) for v in eqn.outputs]
-        for ct, x in zip(vjp.apply_rule(b, eqn, out_cts), eqn.inputs):
-            if ct is not None and isinstance(x, Var) and x in needs:
+        for ct, x in zip(vjp.apply_rule(b, eqn, out_cts), eqn.inputs, strict=True):
+            if ct is not None and type(x) is Var and x in needs:
                 add_ct(x, ct)
 
     b.source = ""
@@ -88,17 +120,11 @@ def backward(graph: Graph) -> Graph:
     for k, p in enumerate(params):
         g = cts.get(p)
         if g is None:  # the loss does not depend on this param: a zero gradient
-            g = b.call(jnp.zeros_like, p)[0]
+            g = vjp.emit(b, jnp.zeros_like, p)[0]
         if accumulators:
-            g = b.call(vjp.add_cotangents, accumulators[k], g)[0]
+            g = vjp.emit(b, vjp.add_cotangents, accumulators[k], g)[0]
         grads.append(g)
-
-    return dce(graph.replace(
-        eqns=graph.eqns + tuple(b.eqns),
-        outputs=graph.outputs + tuple(grads),
-        output_roles=graph.output_roles + ("grad",) * len(grads),
-        out_tree=_value_and_grad_tree(graph),
-    ))
+    return grads, tuple(b.eqns)
 
 
 def _param_argnums(graph: Graph) -> tuple[int, ...] | None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jgraph.errors import TransformError
 from jgraph.ir import is_float
+from jgraph.vjp.emit import emit
 
 vjp_rules: dict[str, Callable] = {}
 
@@ -70,8 +71,8 @@ def apply_rule(b, eqn, out_cts):
     cts = list(out_cts)
     for k, ct in enumerate(cts):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
-            cts[k] = b.call(jnp.zeros_like, eqn.outputs[k])[0]
-    outs = b.call(_run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
+            cts[k] = emit(b, jnp.zeros_like, eqn.outputs[k])[0]
+    outs = emit(b, _run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
                   params=_freeze(eqn.params))
     return outs + [None] * (n_in - len(outs))
 
@@ -112,9 +113,9 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
 from jgraph import custom_vjp  # noqa: E402,F401  (the custom_vjp_call op and its rule)
+from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
-           "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "indexing", "reductions",
-           "structural", "unbroadcast", "vjp_rules"]
+           "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "emit", "indexing",
+           "reductions", "structural", "unbroadcast", "vjp_rules"]
