@@ -24,10 +24,11 @@ from jax import lax
 
 from jgraph.backward import backward
 from jgraph.errors import JGraphError, TransformError
-from jgraph.ir import Graph
+from jgraph.ir import Graph, Var
 from jgraph.lower import as_function
 from jgraph.trace import trace
 from jgraph.training.accumulate import LOSS_SCALED_BY_PERIOD, accumulate
+from jgraph.training.graphs import grad_params, grads_tree, tuple_tree
 from jgraph.training.losses import NEEDS_LABELS, loss_function, ndata_of
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.reset import reset
@@ -87,6 +88,18 @@ def _apply_remat(graph: Graph, remat):
     return remat_transform(graph, policy=remat)
 
 
+def update_only(grad_graph: Graph) -> Graph:
+    """`(params, acc) -> acc`: the accumulated gradient alone, for `optimizer_step` to update."""
+    params = tuple(Var(p.aval) for p in grad_params(grad_graph))
+    accs = tuple(Var(a.aval) for a in grad_graph.inputs_with_role("accumulator"))
+    tree = grads_tree(grad_graph)
+    return Graph(inputs=params + accs, eqns=(), outputs=accs,
+                 input_roles=("param",) * len(params) + ("accumulator",) * len(accs),
+                 output_roles=("new_accumulator",) * len(accs),
+                 in_tree=tuple_tree([tree, tree]), out_tree=tuple_tree([tree]), param_argnums=0,
+                 info={"grads_tree": tree})
+
+
 def _copy(tree):
     return jax.tree.map(lambda a: jax.device_put(np.array(a)), tree)
 
@@ -107,7 +120,7 @@ class Optimizer:
         self._builds: dict[tuple, _Build] = {}
         self._last: _Build | None = None
         self._params_shape = None
-        self._counters = [jax.device_put(np.int32(i)) for i in range(self.period)]
+        self._counters: dict[int, jax.Array] = {}  # micro-step index -> device scalar
 
     # -- building -------------------------------------------------------------------------------
     def _build(self, params, x, y) -> _Build:
@@ -151,6 +164,11 @@ class Optimizer:
         self._last = build
         return build
 
+    def _counter(self, i: int):
+        if i not in self._counters:
+            self._counters[i] = jax.device_put(np.int32(i))
+        return self._counters[i]
+
     def _data(self, x, y):
         return (x, y) if self.needs_labels else (x,)
 
@@ -180,10 +198,10 @@ class Optimizer:
             new = TrainState(params, opt_state, None, np.int32(0))
         elif i + 1 == self.period:
             value, acc, _, params, opt_state = ex["opt"](
-                state.params, *data, state.grad_acc, self._counters[i], state.opt_state)
+                state.params, *data, state.grad_acc, self._counter(i), state.opt_state)
             new = TrainState(params, opt_state, acc, np.int32(0))
         else:
-            value, acc, _ = ex["grad"](state.params, *data, state.grad_acc, self._counters[i])
+            value, acc, _ = ex["grad"](state.params, *data, state.grad_acc, self._counter(i))
             new = state._replace(grad_acc=acc, counter=np.int32(i + 1))
         return new, self._output(value, build, self.period)
 
@@ -249,8 +267,13 @@ class Optimizer:
             value, build, self.period)
 
     def _period_function(self, build: _Build):
-        grad_f, opt_f = as_function(build.graphs["grad"]), as_function(build.graphs["opt"])
         period, labelled = self.period, self.needs_labels
+        if period == 1:
+            opt_f = as_function(build.graphs["opt"])
+        else:  # scan the grad graph over all micro-batches, then apply the update alone
+            grad_f = as_function(build.graphs["grad"])
+            build.graphs["update"] = optimizer_step(update_only(build.graphs["grad"]), self.tx)
+            update_f = as_function(build.graphs["update"])
 
         def data(xs, ys, i):
             pick = lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
@@ -261,15 +284,14 @@ class Optimizer:
                 value, _, params, opt_state = opt_f(params, *data(xs, ys, 0), opt_state)
                 return params, opt_state, acc, jax.tree.map(lambda v: v[None], value)
 
-            def body(carry, i):
+            def body(carry, batch):
                 acc, counter = carry
-                value, acc, counter = grad_f(params, *data(xs, ys, i), acc, counter)
+                value, acc, counter = grad_f(params, *batch, acc, counter)
                 return (acc, counter), value
 
-            (acc, counter), values = lax.scan(body, (acc, jnp.int32(0)), jnp.arange(period - 1))
-            value, acc, _, params, opt_state = opt_f(params, *data(xs, ys, period - 1), acc,
-                                                     counter, opt_state)
-            values = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), values, value)
+            batches = (xs, ys) if labelled else (xs,)
+            (acc, _), values = lax.scan(body, (acc, jnp.int32(0)), batches)
+            acc, params, opt_state = update_f(params, acc, opt_state)
             return params, opt_state, acc, values
 
         return jax.jit(run, donate_argnums=(0, 1, 2) if self.static else ())

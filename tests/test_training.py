@@ -1,0 +1,269 @@
+"""Training transforms and the Optimizer on an MLP over real data (sklearn's bundled digits).
+
+References: jax.value_and_grad of the whole logical batch, optax.MultiSteps, a plain optax loop.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from sklearn.datasets import load_digits
+
+import jgraph as jg
+
+F32 = jnp.float32
+_DIGITS = load_digits()
+X = (_DIGITS.data[:256] / 16).astype(np.float32)
+Y = _DIGITS.target[:256].astype(np.int32)
+
+
+def mlp(p, x):
+    return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def init_params(seed=0, hidden=32):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {"w1": jax.random.normal(k1, (64, hidden), F32) * 0.3, "b1": jnp.zeros(hidden, F32),
+            "w2": jax.random.normal(k2, (hidden, 10), F32) * 0.3, "b2": jnp.zeros(10, F32)}
+
+
+def ce_loss(p, x, y):
+    logits = mlp(p, x)
+    return -jnp.mean(jnp.sum(jax.nn.one_hot(y, 10, dtype=logits.dtype)
+                             * jax.nn.log_softmax(logits), axis=1))
+
+
+def assert_tree_close(a, b, rtol=1e-6, atol=0.0):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+def copy(tree):
+    return jax.tree.map(lambda a: jnp.array(np.asarray(a)), tree)
+
+
+def test_transforms_give_checked_graphs_with_roles():
+    p = init_params()
+    gb = jg.backward(jg.trace(lambda p, x: jnp.mean(mlp(p, x)), p, X[:8], param_argnums=0))
+    ga = jg.check(jg.accumulate(gb, period=4, loss="mean"))
+    go = jg.check(jg.optimizer_step(ga, optax.adam(1e-3)))
+    g0 = jg.check(jg.reset(go))
+    assert ga.input_roles.count("accumulator") == 4 and ga.input_roles.count("counter") == 1
+    assert ga.output_roles.count("new_accumulator") == 4 and "grad" not in ga.output_roles
+    assert go.output_roles.count("new_param") == 4 and "new_opt_state" in go.output_roles
+    assert set(g0.output_roles) == {"new_accumulator", "new_opt_state", "new_counter"}
+    assert "@opt_state" in str(go) and "@new_param" in str(go)
+    # gb is untouched (pure transforms)
+    assert "accumulator" not in gb.input_roles and "opt_state" not in gb.input_roles
+
+
+def test_transform_errors_name_the_problem():
+    p = init_params()
+    g = jg.trace(lambda p, x: jnp.mean(mlp(p, x)), p, X[:8], param_argnums=0)
+    with pytest.raises(jg.TransformError, match="apply jg.backward"):
+        jg.optimizer_step(g, optax.sgd(0.1))
+    gb = jg.backward(g)
+    with pytest.raises(jg.TransformError, match="period"):
+        jg.accumulate(gb, period=0)
+    with pytest.raises(jg.TransformError, match="unknown loss type"):
+        jg.accumulate(gb, period=2, loss="hinge")
+    with pytest.raises(jg.TransformError, match="no state inputs"):
+        jg.reset(gb)
+
+
+def test_accumulate_scales_and_zeroes_each_period():
+    p = init_params()
+    gb = jg.backward(jg.trace(ce_loss, p, X[:8], Y[:8], param_argnums=0))
+    f = jg.compile(jg.accumulate(gb, period=2, loss="mean"))
+    acc = jax.tree.map(lambda a: jnp.full_like(a, 7.0), p)  # garbage: counter 0 ignores it
+    loss, new_acc, counter = f(p, X[:8], Y[:8], acc, jnp.int32(0))
+    want_loss, want_grads = jax.value_and_grad(ce_loss)(p, X[:8], Y[:8])
+    np.testing.assert_allclose(loss, want_loss / 2, rtol=1e-6)
+    assert_tree_close(new_acc, jax.tree.map(lambda g: g / 2, want_grads), rtol=1e-6, atol=1e-8)
+    assert int(counter) == 1
+    _, acc2, counter = f(p, X[:8], Y[:8], new_acc, counter)
+    assert_tree_close(acc2, want_grads, rtol=1e-6, atol=1e-8)
+    assert int(counter) == 0
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_k_micro_batches_equal_one_big_batch(k):
+    big, tx = 32, optax.sgd(0.5)
+    one = jg.Optimizer(mlp, tx, loss="cross_entropy", period=1)
+    acc = jg.Optimizer(mlp, tx, loss="cross_entropy", period=k)
+    s1 = one.init(copy(init_params()), X[:big], Y[:big])
+    sk = acc.init(copy(init_params()), X[:big // k], Y[:big // k])
+    _, grads = jax.value_and_grad(ce_loss)(init_params(), X[:big], Y[:big])
+    s1, _ = one.step(s1, X[:big], Y[:big])
+    for i in range(k):
+        sl = slice(i * big // k, (i + 1) * big // k)
+        sk, _ = acc.step(sk, X[sl], Y[sl])
+    assert_tree_close(acc.grad_acc(sk), grads, rtol=1e-6, atol=1e-7)
+    assert_tree_close(sk.params, s1.params, rtol=1e-6, atol=1e-7)
+
+
+def test_same_params_as_optax_multisteps():
+    k, micro, tx = 4, 8, optax.adam(1e-2)
+    opt = jg.Optimizer(mlp, tx, loss="cross_entropy", period=k)
+    state = opt.init(copy(init_params()), X[:micro], Y[:micro])
+    ms = optax.MultiSteps(tx, every_k_schedule=k)
+    params = init_params()
+    ms_state = ms.init(params)
+    ms_update = jax.jit(lambda g, s, p: ms.update(g, s, p))
+    for i in range(3 * k):
+        sl = slice(i * micro, (i + 1) * micro)
+        state, _ = opt.step(state, X[sl], Y[sl])
+        updates, ms_state = ms_update(jax.grad(ce_loss)(params, X[sl], Y[sl]), ms_state, params)
+        params = optax.apply_updates(params, updates)
+    assert_tree_close(state.params, params, rtol=1e-5, atol=1e-6)
+
+
+def _count_backend_compiles():
+    events = []
+
+    def listener(name, *args, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return events, listener
+
+
+@pytest.mark.parametrize("period,want", [(4, 3), (1, 2)])
+def test_100_static_steps_compile_exactly(period, want):
+    xs, ys = [jnp.asarray(X[i * 8:(i + 1) * 8]) for i in range(8)], [
+        jnp.asarray(Y[i * 8:(i + 1) * 8]) for i in range(8)]
+    params = copy(init_params(hidden=24 + period))  # shapes no other test compiled
+    events, listener = _count_backend_compiles()
+    try:
+        opt = jg.Optimizer(mlp, optax.sgd(1e-3, momentum=0.9), loss="cross_entropy",
+                           period=period)
+        state = opt.init(params, xs[0], ys[0])
+        for i in range(100):
+            state, _ = opt.step(state, xs[i % 8], ys[i % 8])
+        jax.block_until_ready(state.params)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    used = {n: f._cache_size() for n, f in opt.executables.items() if f._cache_size()}
+    assert sum(used.values()) == want, used
+    assert len(events) == want
+
+
+def test_step_period_equals_micro_steps():
+    k, micro = 4, 8
+    one = jg.Optimizer(mlp, optax.adam(1e-2), loss="cross_entropy", period=k)
+    fused = jg.Optimizer(mlp, optax.adam(1e-2), loss="cross_entropy", period=k)
+    s1 = one.init(copy(init_params()), X[:micro], Y[:micro])
+    s2 = fused.init(copy(init_params()), X[:micro], Y[:micro])
+    r1, r2 = jg.Result(), jg.Result()
+    for period in range(2):
+        xs = X[period * k * micro:(period + 1) * k * micro].reshape(k, micro, 64)
+        ys = Y[period * k * micro:(period + 1) * k * micro].reshape(k, micro)
+        for i in range(k):
+            s1, out = one.step(s1, xs[i], ys[i])
+            r1.add(out)
+        s2, out = fused.step_period(s2, xs, ys)
+        r2.add(out)
+    assert_tree_close(s2.params, s1.params, rtol=1e-5, atol=1e-6)
+    assert_tree_close(s2.grad_acc, s1.grad_acc, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(r2.losses(), r1.losses(), rtol=1e-6)
+    assert r1.ndata == r2.ndata == 2 * k * micro and r1.accuracy() == r2.accuracy()
+    with pytest.raises(jg.JGraphError, match="stacked 4 deep"):
+        fused.step_period(s2, xs[:2], ys[:2])
+
+
+def deep_mlp(p, x):
+    for w in p[:-1]:
+        x = jnp.tanh(x @ w)
+    return x @ p[-1]
+
+
+def _period_temp(period, micro=64, width=128, depth=3):
+    opt = jg.Optimizer(deep_mlp, optax.adam(1e-3), loss="cross_entropy", period=period)
+    keys = jax.random.split(jax.random.PRNGKey(0), depth + 1)
+    dims = [64] + [width] * depth + [10]
+    params = [jax.random.normal(k, (a, b), F32) * F32(1 / np.sqrt(a)) for k, a, b in
+              zip(keys, dims[:-1], dims[1:], strict=True)]
+    x, y = X[:micro], Y[:micro]
+    state = opt.init(params, x, y)
+    xs, ys = np.stack([x] * period), np.stack([y] * period)
+    state, _ = opt.step_period(state, xs, ys)
+    fn = opt.executables["period"]
+    compiled = fn.lower(state.params, state.grad_acc, state.opt_state, xs, ys).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_step_period_temp_is_independent_of_the_period():
+    # Period 1 has no accumulators and fuses each grad into its update; from period 2 on, the
+    # temp must not grow with the period (bench_training.py reports the ratio to period 1).
+    t2, t16 = _period_temp(2), _period_temp(16)
+    assert t16 <= 1.05 * t2, (t2, t16)
+
+
+def test_static_rejects_new_shapes_dynamic_rebuilds():
+    st = jg.Optimizer(mlp, optax.sgd(0.1), loss="cross_entropy")
+    s = st.init(copy(init_params()), X[:8], Y[:8])
+    with pytest.raises(jg.JGraphError, match="static=False"):
+        st.step(s, X[:4], Y[:4])
+    dyn = jg.Optimizer(mlp, optax.sgd(0.1), loss="cross_entropy", static=False)
+    s = dyn.init(copy(init_params()), X[:8], Y[:8])
+    s, out8 = dyn.step(s, X[:8], Y[:8])
+    s, out4 = dyn.step(s, X[:4], Y[:4])
+    assert out8.ndata == 8 and out4.ndata == 4
+    want = init_params()
+    for sl in (slice(0, 8), slice(0, 4)):
+        want = jax.tree.map(lambda p, g: p - 0.1 * g, want, jax.grad(ce_loss)(want, X[sl], Y[sl]))
+    assert_tree_close(s.params, want, rtol=1e-5, atol=1e-6)
+
+
+def test_labels_one_hot_or_integer_and_mse():
+    p = init_params()
+    a = jg.Optimizer(mlp, optax.sgd(0.1), loss="cross_entropy")
+    b = jg.Optimizer(mlp, optax.sgd(0.1), loss="cross_entropy")
+    onehot = jax.nn.one_hot(Y[:8], 10, dtype=F32)
+    sa, oa = a.step(a.init(copy(p), X[:8], Y[:8]), X[:8], Y[:8])
+    sb, ob = b.step(b.init(copy(p), X[:8], onehot), X[:8], onehot)
+    assert_tree_close(sa.params, sb.params, rtol=1e-6, atol=1e-7)
+    assert int(oa.ncorrect) == int(ob.ncorrect) == int(np.sum(np.argmax(mlp(p, X[:8]), 1) == Y[:8]))
+    mse = jg.Optimizer(mlp, optax.sgd(0.1), loss="mse")
+    sm, om = mse.step(mse.init(copy(p), X[:8], onehot), X[:8], onehot)
+    want_loss, grads = jax.value_and_grad(lambda p: jnp.mean((mlp(p, X[:8]) - onehot) ** 2))(p)
+    np.testing.assert_allclose(om.loss, want_loss, rtol=1e-6)
+    assert_tree_close(sm.params, jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), rtol=1e-6,
+                      atol=1e-7)
+
+
+def test_reset_optimizer_restores_tx_init():
+    opt = jg.Optimizer(mlp, optax.adam(1e-2), loss="cross_entropy", period=2)
+    s = opt.init(copy(init_params()), X[:8], Y[:8])
+    for _ in range(3):
+        s, _ = opt.step(s, X[:8], Y[:8])
+    assert int(s.counter) == 1
+    kept = opt.reset(s, optimizer=False)
+    assert int(kept.counter) == 0 and int(kept.opt_state[0].count) == 1
+    assert all(float(jnp.abs(a).max()) == 0 for a in jax.tree.leaves(kept.grad_acc))
+    fresh = opt.reset(kept, optimizer=True)
+    assert_tree_close(fresh.opt_state, optax.adam(1e-2).init(fresh.params))
+
+
+def test_remat_pass_through_gives_the_same_training():
+    def deep(p, x):
+        h = jax.checkpoint(lambda x: jnp.tanh(jnp.tanh(x @ p["w1"] + p["b1"])))(x)
+        return h @ p["w2"] + p["b2"]
+
+    plain = jg.Optimizer(deep, optax.adam(1e-2), loss="cross_entropy", period=2)
+    remat = jg.Optimizer(deep, optax.adam(1e-2), loss="cross_entropy", period=2, remat=True)
+    s1 = plain.init(copy(init_params()), X[:8], Y[:8])
+    s2 = remat.init(copy(init_params()), X[:8], Y[:8])
+    assert any("recompute" in e.tags for e in remat.graphs["grad"].eqns)
+    assert not any("recompute" in e.tags for e in plain.graphs["grad"].eqns)
+    for i in range(4):
+        s1, _ = plain.step(s1, X[8 * i:8 * i + 8], Y[8 * i:8 * i + 8])
+        s2, _ = remat.step(s2, X[8 * i:8 * i + 8], Y[8 * i:8 * i + 8])
+    assert_tree_close(s2.params, s1.params, rtol=1e-6, atol=1e-7)
+    pol = jg.Optimizer(mlp, optax.sgd(0.1), loss="cross_entropy",
+                       remat=jg.policies.nothing_saveable)
+    pol.init(copy(init_params()), X[:8], Y[:8])
+    assert any("recompute" in e.tags for e in pol.graphs["grad"].eqns)
