@@ -4,6 +4,11 @@ A `Builder` appends eqns to a list. The tracer uses it to turn a jaxpr into eqns
 uses the same builder to emit the eqns of VJP rules, which are written as ordinary JAX functions and
 traced once per (rule, params, input avals) by `jax.make_jaxpr`, then inlined. So a rule reads like
 JAX code, and what it emits is IR that later transforms can see and rewrite.
+
+Higher-order primitives are rewritten by handlers (`_HANDLERS`, keyed by primitive name): nested
+`jit` and `custom_jvp_call` are inlined (the primal body), `checkpoint` becomes a recorded region
+around its inlined body, `scan` is unrolled. `while` and `cond` are carried whole as opaque ops.
+Any other higher-order or effectful primitive is a `TraceError` naming it and the user's line.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 from typing import Callable
 
 import jax
+import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
@@ -21,8 +27,12 @@ from jgraph.ir import Eqn, Literal, Region, Var
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
+# Higher-order primitives carried whole as opaque ops (only valid off the gradient path).
+OPAQUE_HIGHER_ORDER = frozenset({"while", "cond"})
+
 
 def source_line(jaxpr_eqn) -> str:
+    """The user's frame that produced a jaxpr eqn, as "file:line:col (function)"."""
     try:
         return source_info_util.summarize(jaxpr_eqn.source_info)
     except Exception:  # pragma: no cover - private API drift: provenance is best effort
@@ -37,10 +47,6 @@ def _has_subjaxpr(params) -> bool:
         if any(isinstance(v, _JAXPR_TYPES) for v in values):
             return True
     return False
-
-
-# Higher-order primitives carried whole as opaque ops (only valid off the gradient path).
-OPAQUE_HIGHER_ORDER = frozenset({"while", "cond"})
 
 
 class Builder:
@@ -60,8 +66,11 @@ class Builder:
         try:
             rule = ops.shape_rules[op]
         except KeyError:
-            raise TraceError(f"no shape rule for op {op!r} ({self.source})") from None
-        out_avals = rule(*(a.aval for a in inputs), **params)
+            raise TraceError(f"no shape rule for op {op!r} (at {self.source})") from None
+        return self.emit(op, inputs, params, rule(*(a.aval for a in inputs), **params))
+
+    def emit(self, op: str, inputs, params, out_avals) -> list[Var]:
+        """Append an eqn whose output avals are already known (from a jaxpr)."""
         outs = tuple(Var(aval) for aval in out_avals)
         self.eqns.append(Eqn(op, tuple(inputs), params, outs, self.tags, self.regions, self.source))
         return list(outs)
@@ -86,16 +95,16 @@ class Builder:
                 return Literal(v.val, v.aval)
             return env[v]
 
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = c if isinstance(c, (Var, Literal)) else Literal(c, jax.typeof(c))
-        for v, a in zip(jaxpr.invars, inputs):
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = c if isinstance(c, (Var, Literal)) else Literal(c, v.aval)
+        for v, a in zip(jaxpr.invars, inputs, strict=True):
             env[v] = a
         saved_source = self.source
         try:
             for eqn in jaxpr.eqns:
                 self.source = source_line(eqn) or saved_source
                 outs = self.inline_eqn(eqn, [read(v) for v in eqn.invars])
-                for v, o in zip(eqn.outvars, outs):
+                for v, o in zip(eqn.outvars, outs, strict=True):
                     if not isinstance(v, jex_core.DropVar):
                         env[v] = o
         finally:
@@ -108,17 +117,16 @@ class Builder:
         if handler is not None:
             return handler(self, eqn, inputs)
         if eqn.effects:
-            raise TraceError(
-                f"primitive {name!r} has side effects ({eqn.effects}), which jgraph does not "
-                f"support, at {self.source}"
-            )
-        if _has_subjaxpr(eqn.params) and name not in OPAQUE_HIGHER_ORDER:
-            raise TraceError(
-                f"higher-order primitive {name!r} is not supported by jgraph, at {self.source}"
-            )
-        if not ops.has_op(name):
+            effects = ", ".join(sorted(map(str, eqn.effects)))
+            raise TraceError(f"primitive {name!r} has side effects ({effects}), which jgraph does "
+                             f"not support, at {self.source}")
+        if name not in OPAQUE_HIGHER_ORDER and _has_subjaxpr(eqn.params):
+            raise TraceError(f"higher-order primitive {name!r} is not supported by jgraph, at "
+                             f"{self.source}")
+        if name not in ops.lowerings:
             ops.defprim(eqn.primitive)
-        return self.bind(name, *inputs, **eqn.params)
+        # The jaxpr already holds the output avals: no need to run the shape rule again.
+        return self.emit(name, inputs, eqn.params, [v.aval for v in eqn.outvars])
 
     def enter_region(self, policy, prevent_cse, name) -> Region:
         parent = self.regions[-1] if self.regions else None
@@ -153,11 +161,17 @@ def _trace_cached(fn, static_items, avals):
 _HANDLERS: dict[str, Callable] = {}
 
 
+def _body(eqn):
+    """The sub-jaxpr of a call-like eqn, as (jaxpr, consts)."""
+    sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    if isinstance(sub, jex_core.ClosedJaxpr):
+        return sub.jaxpr, sub.consts
+    return sub, ()
+
+
 def _inline_call(b: Builder, eqn, inputs):
-    closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-    if isinstance(closed, jex_core.ClosedJaxpr):
-        return b.inline(closed.jaxpr, closed.consts, inputs)
-    return b.inline(closed, (), inputs)
+    jaxpr, consts = _body(eqn)
+    return b.inline(jaxpr, consts, inputs)
 
 
 for _name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call"):
@@ -165,11 +179,12 @@ for _name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call"):
 
 
 def _checkpoint_region(b: Builder, eqn, inputs):
+    jaxpr, consts = _body(eqn)
+    name = getattr(jaxpr.debug_info, "func_name", "") or ""
     saved = b.regions
-    b.enter_region(eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True)),
-                   eqn.params.get("name", ""))
+    b.enter_region(eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True)), name)
     try:
-        return _inline_call(b, eqn, inputs)
+        return b.inline(jaxpr, consts, inputs)
     finally:
         b.regions = saved
 
@@ -180,29 +195,45 @@ _HANDLERS["remat2"] = _HANDLERS["checkpoint"] = _checkpoint_region
 def _scan_unrolled(b: Builder, eqn, inputs):
     p = eqn.params
     n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-    consts, carry, xs = inputs[:n_consts], inputs[n_consts:n_consts + n_carry], inputs[
-        n_consts + n_carry:]
+    consts, carry = inputs[:n_consts], inputs[n_consts:n_consts + n_carry]
+    xs = inputs[n_consts + n_carry:]
     body = p["jaxpr"]
     ys_per_step = []
-    steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-    for i in steps:
-        x_i = [b.call(_index, x, i=i)[0] for x in xs]
-        outs = b.inline(body.jaxpr, body.consts, [*consts, *carry, *x_i])
-        carry, ys = outs[:n_carry], outs[n_carry:]
-        ys_per_step.append(ys)
+    for i in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
+        outs = b.inline(body.jaxpr, body.consts, [*consts, *carry, *(_index(b, x, i) for x in xs)])
+        carry = outs[:n_carry]
+        ys_per_step.append(outs[n_carry:])
     if p["reverse"]:
         ys_per_step.reverse()
-    n_ys = len(eqn.outvars) - n_carry
-    stacked = [b.call(_stack, *[ys[k] for ys in ys_per_step])[0] for k in range(n_ys)]
+    y_avals = [v.aval for v in eqn.outvars[n_carry:]]
+    stacked = [_stack(b, [ys[k] for ys in ys_per_step], aval) for k, aval in enumerate(y_avals)]
     return [*carry, *stacked]
 
 
-def _index(x, *, i):
-    return jax.lax.index_in_dim(x, i, axis=0, keepdims=False)
+def _index(b: Builder, x, i: int):
+    """x[i] along the leading axis, as slice + squeeze."""
+    start = (i,) + (0,) * (x.aval.ndim - 1)
+    limit = (i + 1,) + tuple(x.aval.shape[1:])
+    (row,) = b.emit("slice", [x], dict(start_indices=start, limit_indices=limit, strides=None),
+                    [x.aval.update(shape=(1,) + tuple(x.aval.shape[1:]))])
+    squeezed = x.aval.update(shape=tuple(x.aval.shape[1:]))
+    return b.emit("squeeze", [row], dict(dimensions=(0,)), [squeezed])[0]
 
 
-def _stack(*ys):
-    return jax.numpy.stack(ys)
+def _stack(b: Builder, ys, stacked_aval):
+    """Stack the per-step values `ys` along a new leading axis (of length len(ys))."""
+    if not ys:
+        scalar = stacked_aval.update(shape=(), weak_type=False)
+        zero = Literal(np.zeros((), stacked_aval.dtype), scalar)
+        return b.bind("broadcast_in_dim", zero, shape=stacked_aval.shape, broadcast_dimensions=(),
+                      sharding=None)[0]
+    rows = []
+    for y in ys:
+        rows += b.bind("broadcast_in_dim", y, shape=(1,) + tuple(y.aval.shape),
+                       broadcast_dimensions=tuple(range(1, y.aval.ndim + 1)), sharding=None)
+    if len(rows) == 1:
+        return rows[0]
+    return b.bind("concatenate", *rows, dimension=0)[0]
 
 
 _HANDLERS["scan"] = _scan_unrolled

@@ -1,18 +1,21 @@
 """`check(graph)`: the IR's invariants, verified; a `GraphError` names the offending eqn.
 
 Checked: every variable is defined once (inputs and eqn outputs), every use comes after its
-definition, every output aval equals what the op's shape rule gives, every op has rules, roles are
-known and one per input/output, a loss output is a floating scalar, and outputs are defined.
+definition, every output aval equals what the op's shape rule gives, every op has rules, literals
+agree with their avals, regions exist and nest, roles are known and one per input/output, a loss
+output is a floating scalar, and outputs are defined. Messages quote the eqn as `str(graph)` prints
+it (same variable names), with its index and the user's source line.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jgraph import ops
 from jgraph.errors import GraphError
 from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, Graph, Literal, Var, short_aval
-from jgraph.printing import format_eqn
+from jgraph.printing import eqn_lines, var_name
 
 
 def _same_aval(a, b) -> bool:
@@ -22,44 +25,82 @@ def _same_aval(a, b) -> bool:
 def check(graph: Graph) -> Graph:
     """Raise `GraphError` if `graph` is malformed; return it unchanged otherwise."""
     _check_roles(graph)
+    _check_regions(graph)
     defined: set[Var] = set()
-    for v in graph.inputs:
+    for k, v in enumerate(graph.inputs):
         if not isinstance(v, Var):
-            raise GraphError(f"graph input {v!r} is not a Var")
+            raise GraphError(f"graph input {k} is not a Var: {v!r}")
         if v in defined:
-            raise GraphError(f"input {v!r} appears twice among the graph inputs")
+            raise GraphError(f"graph input {k} ({var_name(graph, v)}) appears twice among the "
+                             f"inputs")
         defined.add(v)
     region_ids = {r.id for r in graph.regions}
     for i, eqn in enumerate(graph.eqns):
-        where = f"eqn {i} `{format_eqn(eqn)}`" + (f" ({eqn.source})" if eqn.source else "")
         for k, a in enumerate(eqn.inputs):
-            if isinstance(a, Var) and a not in defined:
-                raise GraphError(f"{where}: input {k} is used before it is defined")
-            if not isinstance(a, (Var, Literal)):
-                raise GraphError(f"{where}: input {k} is not an atom: {a!r}")
+            if isinstance(a, Literal):
+                _check_literal(graph, i, k, a)
+            elif not isinstance(a, Var):
+                raise GraphError(f"{_where(graph, i)}: input {k} is not an atom: {a!r}")
+            elif a not in defined:
+                raise GraphError(f"{_where(graph, i)}: input {k} ({var_name(graph, a)}) is used "
+                                 f"before it is defined")
         if not ops.has_op(eqn.op):
-            raise GraphError(f"{where}: unknown op {eqn.op!r} (no shape rule or lowering)")
+            raise GraphError(f"{_where(graph, i)}: unknown op {eqn.op!r} (no shape rule or "
+                             f"lowering)")
         try:
             want = ops.shape_rules[eqn.op](*(a.aval for a in eqn.inputs), **eqn.params)
         except Exception as e:
-            raise GraphError(f"{where}: shape rule of {eqn.op!r} rejects its inputs: {e}") from e
+            raise GraphError(f"{_where(graph, i)}: the shape rule of {eqn.op!r} rejects its "
+                             f"inputs: {e}") from e
         if len(want) != len(eqn.outputs):
-            raise GraphError(f"{where}: {eqn.op!r} gives {len(want)} outputs, eqn has "
-                             f"{len(eqn.outputs)}")
-        for k, (v, aval) in enumerate(zip(eqn.outputs, want)):
+            raise GraphError(f"{_where(graph, i)}: {eqn.op!r} gives {len(want)} outputs, the eqn "
+                             f"has {len(eqn.outputs)}")
+        for k, (v, aval) in enumerate(zip(eqn.outputs, want, strict=True)):
+            if not isinstance(v, Var):
+                raise GraphError(f"{_where(graph, i)}: output {k} is not a Var: {v!r}")
             if not _same_aval(v.aval, aval):
-                raise GraphError(f"{where}: output {k} has aval {short_aval(v.aval)} but the "
-                                 f"shape rule of {eqn.op!r} gives {short_aval(aval)}")
+                raise GraphError(f"{_where(graph, i)}: output {k} has aval {short_aval(v.aval)} "
+                                 f"but the shape rule of {eqn.op!r} gives {short_aval(aval)}")
             if v in defined:
-                raise GraphError(f"{where}: output {k} is defined twice")
+                raise GraphError(f"{_where(graph, i)}: output {k} ({var_name(graph, v)}) is "
+                                 f"defined twice")
             defined.add(v)
         for r in eqn.regions:
             if r not in region_ids:
-                raise GraphError(f"{where}: refers to unknown checkpoint region {r}")
+                raise GraphError(f"{_where(graph, i)}: refers to unknown checkpoint region {r}")
     for k, a in enumerate(graph.outputs):
         if isinstance(a, Var) and a not in defined:
-            raise GraphError(f"graph output {k} is dangling: no input or eqn defines it")
+            raise GraphError(f"graph output {k} ({var_name(graph, a)}@{graph.output_roles[k]}) is "
+                             f"dangling: no input or eqn defines it")
+        if not isinstance(a, (Var, Literal)):
+            raise GraphError(f"graph output {k} is not an atom: {a!r}")
     return graph
+
+
+def _where(graph: Graph, i: int) -> str:
+    """`eqn 3 `d:f32[2] = tanh c` (file.py:12 (fn))`, with the names of `str(graph)`."""
+    eqn = graph.eqns[i]
+    text = eqn_lines(graph)[1][i]
+    return f"eqn {i} `{text}`" + (f" ({eqn.source})" if eqn.source else "")
+
+
+def _check_literal(graph: Graph, i: int, k: int, lit: Literal) -> None:
+    value = np.asarray(lit.value)
+    if value.shape != lit.aval.shape or value.dtype != lit.aval.dtype:
+        raise GraphError(f"{_where(graph, i)}: literal input {k} holds a "
+                         f"{value.dtype}{list(value.shape)} value but its aval is "
+                         f"{short_aval(lit.aval)}")
+
+
+def _check_regions(graph: Graph) -> None:
+    seen: set[int] = set()
+    for region in graph.regions:
+        if region.id in seen:
+            raise GraphError(f"checkpoint region {region.id} is listed twice")
+        if region.parent is not None and region.parent not in seen:
+            raise GraphError(f"checkpoint region {region.id} has parent {region.parent}, which is "
+                             f"not listed before it")
+        seen.add(region.id)
 
 
 def _check_roles(graph: Graph) -> None:
@@ -73,7 +114,7 @@ def _check_roles(graph: Graph) -> None:
     for k, r in enumerate(graph.output_roles):
         if r not in OUTPUT_ROLES:
             raise GraphError(f"output {k} has unknown role {r!r} (known: {sorted(OUTPUT_ROLES)})")
-    for k, (a, r) in enumerate(zip(graph.outputs, graph.output_roles)):
+    for k, (a, r) in enumerate(zip(graph.outputs, graph.output_roles, strict=True)):
         if r == "loss" and not (a.aval.shape == () and jnp.issubdtype(a.aval.dtype, jnp.floating)):
             raise GraphError(f"output {k} has role 'loss' but is {short_aval(a.aval)}, "
                              f"not a floating scalar")

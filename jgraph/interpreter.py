@@ -8,10 +8,11 @@ op's lowering eagerly, `jgraph.lower` runs the same loop under `jax.jit`.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from jgraph import ops
 from jgraph.errors import JGraphError
-from jgraph.ir import Graph, Literal, Var
+from jgraph.ir import Graph, Literal, Var, short_aval
 
 
 def last_uses(graph: Graph) -> dict[Var, int]:
@@ -42,11 +43,11 @@ class Interpreter:
             env[v] = value
 
         last = last_uses(graph)
-        for v, x in zip(graph.inputs, args):
+        for v, x in zip(graph.inputs, args, strict=True):
             write(v, x)
         for i, eqn in enumerate(graph.eqns):
             outs = self.eval_eqn(eqn, [read(a) for a in eqn.inputs])
-            for v, x in zip(eqn.outputs, outs):
+            for v, x in zip(eqn.outputs, outs, strict=True):
                 write(v, x)
             for a in eqn.inputs:  # free values after their last use
                 if isinstance(a, Var) and last.get(a) == i:
@@ -62,7 +63,9 @@ class Interpreter:
 
 
 def flatten_args(graph: Graph, args) -> list:
-    """Flatten call arguments against the graph's input structure, with a clear error."""
+    """Flatten call arguments against the graph's inputs: same structure, shapes and dtypes.
+
+    Python scalars (weakly typed values) are converted to the input's dtype."""
     leaves, tree = jax.tree.flatten(tuple(args))
     if graph.in_tree is not None and tree != graph.in_tree:
         raise JGraphError(
@@ -71,7 +74,32 @@ def flatten_args(graph: Graph, args) -> list:
         )
     if len(leaves) != len(graph.inputs):
         raise JGraphError(f"graph takes {len(graph.inputs)} flat inputs, got {len(leaves)}")
+    for k, (x, v) in enumerate(zip(leaves, graph.inputs, strict=True)):
+        if isinstance(x, (bool, int, float, complex)) and v.aval.shape == ():
+            leaves[k] = np.asarray(x, v.aval.dtype)
+        elif getattr(jax.typeof(x), "weak_type", False) and np.shape(x) == v.aval.shape:
+            leaves[k] = jax.lax.convert_element_type(x, v.aval.dtype)  # a Python scalar, jitted
+        elif np.shape(x) != v.aval.shape or _dtype(x) != v.aval.dtype:
+            raise JGraphError(f"argument {_leaf_path(args, k)} is {_describe(x)} but the traced "
+                              f"signature has {short_aval(v.aval)} there")
     return leaves
+
+
+def _dtype(x):
+    dtype = getattr(x, "dtype", None)
+    return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _leaf_path(args, k: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path(tuple(args))[0][k][0]
+    return "args" + jax.tree_util.keystr(path)
+
+
+def _describe(x) -> str:
+    try:
+        return short_aval(jax.typeof(x))
+    except TypeError:
+        return f"{type(x).__name__} {x!r}"
 
 
 def unflatten_outputs(graph: Graph, flat):

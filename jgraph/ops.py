@@ -60,8 +60,8 @@ def has_op(name: str) -> bool:
     return name in shape_rules and name in lowerings
 
 
-# The primitives of `jax.lax` (and of checkpoint_name) are ops from import on; others (RNG
-# internals, ...) are registered by the tracer when it meets them.
+# The primitives of `jax.lax`, of checkpoint_name and of the PRNG are ops from import on; any
+# other first-order primitive is registered by the tracer when it meets it.
 _LAX_MODULES = (
     "jax._src.lax.lax",
     "jax._src.lax.slicing",
@@ -72,8 +72,14 @@ _LAX_MODULES = (
     "jax._src.lax.control_flow.conditionals",
     "jax._src.ad_checkpoint",
     "jax._src.ad_util",
+    "jax._src.random.prng",
+    "jax._src.random.threefry2x32",
 )
 for _module in _LAX_MODULES:
-    for _value in vars(importlib.import_module(_module)).values():
+    try:
+        _namespace = vars(importlib.import_module(_module))
+    except ImportError:  # private module moved: the tracer registers what it meets anyway
+        continue
+    for _value in _namespace.values():
         if isinstance(_value, Primitive) and _value.name not in REWRITTEN_BY_TRACER:
             defprim(_value)

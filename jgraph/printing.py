@@ -1,16 +1,23 @@
 """Jaxpr-like text for graphs. Printing is API: tests compare it to golden strings.
 
-    { lambda a:f32[3,4]@param b:f32[2,3]@data .
-      let c:f32[2,4] = dot_general[dimension_numbers=(([1], [0]), ([], []))] b a
-          d:f32[2,4] = tanh c                                  # region 0
+    { lambda a:f32[4,3]@param b:f32[2,4]@data .
+      let c:f32[2,3] = dot_general[contract=[1]x[0]] b a
+          d:f32[2,3] = tanh c                            # region 0
+          e:f32[] = reduce_sum[axes=(0, 1)] d
       in ( e@loss ) }
+    # region 0: checkpoint(layer)
 
-Variables are named a, b, ..., z, ba, bb, ... in order of appearance. Params whose value is None
-are left out; sub-jaxprs print as <jaxpr>. Tags and checkpoint regions follow as a comment.
+Variables are named a, b, ..., z, ba, bb, ... in order of appearance; each input and output carries
+`@role`. Params print as `key=value`, leaving out what the output aval already says (a broadcast's
+or reshape's shape), defaults (None, `weak_type=False`, unit dilations, zero window padding) and
+empty dimension-number fields; `dot_general` prints its contracting and batch dimensions as
+`lhs x rhs`, a convolution its layouts as `N01C,01IO->N01C`. Tags and regions follow an eqn as a
+comment; the regions of the graph are listed after it.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import string
 
@@ -41,60 +48,202 @@ class _Namer:
 
 def format_literal(lit: Literal) -> str:
     if np.ndim(lit.value) == 0:
-        value = lit.value.item() if hasattr(lit.value, "item") else lit.value
-        return f"{value}:{short_aval(lit.aval)}"
+        return f"{np.asarray(lit.value).item()}:{short_aval(lit.aval)}"
     return f"const:{short_aval(lit.aval)}"
 
 
+def _is_jaxpr(value) -> bool:
+    return type(value).__name__ in ("ClosedJaxpr", "Jaxpr")
+
+
 def format_param(value) -> str:
-    if type(value).__name__ in ("ClosedJaxpr", "Jaxpr"):
+    if _is_jaxpr(value):
         return "<jaxpr>"
-    if isinstance(value, (tuple, list)) and any(type(v).__name__ in ("ClosedJaxpr", "Jaxpr")
-                                                for v in value):
+    if isinstance(value, (tuple, list)) and any(_is_jaxpr(v) for v in value):
         return "(<jaxpr>, ...)"
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # NamedTuple dimension numbers
+        fields = [f"{k}={format_param(v)}" for k, v in zip(value._fields, value, strict=True)
+                  if v not in ((), None)]
+        return f"{type(value).__name__}({', '.join(fields)})"
+    if isinstance(value, tuple):
+        items = [format_param(v) for v in value]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    if isinstance(value, np.generic):
+        return str(value.item())
     if callable(value) and hasattr(value, "__name__"):
         return value.__name__
-    if isinstance(value, np.dtype) or type(value).__name__ == "dtype":
-        return str(value)
     return str(value)
 
 
-def format_graph(graph: Graph) -> str:
-    name = _Namer()
+def _dims(lhs, rhs) -> str:
+    return f"[{','.join(map(str, lhs))}]x[{','.join(map(str, rhs))}]"
+
+
+def _dot_general_params(params, eqn):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    out = {"contract": _dims(lc, rc)}
+    if lb or rb:
+        out["batch"] = _dims(lb, rb)
+    pet = params.get("preferred_element_type")
+    rest = {k: v for k, v in params.items() if k not in ("dimension_numbers",
+                                                         "preferred_element_type")}
+    if pet is not None and eqn.outputs and pet != eqn.outputs[0].aval.dtype:
+        out["preferred_element_type"] = pet
+    return out | rest
+
+
+def _layout(spec, first: str, second: str) -> str:
+    chars = [""] * len(spec)
+    chars[spec[0]], chars[spec[1]] = first, second
+    for i, dim in enumerate(spec[2:]):
+        chars[dim] = str(i)
+    return "".join(chars)
+
+
+def _all(values, unit) -> bool:
+    return values is None or all(v == unit for v in values)
+
+
+def _conv_params(params, eqn):
+    out = dict(params)
+    dn = out.pop("dimension_numbers")
+    if dn is not None:
+        lhs, rhs, res = dn
+        out = {"dims": f"{_layout(lhs, 'N', 'C')},{_layout(rhs, 'O', 'I')}->"
+                       f"{_layout(res, 'N', 'C')}"} | out
+    for key in ("lhs_dilation", "rhs_dilation"):
+        if _all(out.get(key), 1):
+            out.pop(key, None)
+    for key in ("feature_group_count", "batch_group_count"):
+        if out.get(key) == 1:
+            out.pop(key)
+    return out
+
+
+def _gather_params(params, eqn):
+    out = dict(params)
+    dn = out.pop("dimension_numbers")
+    short = {"offset_dims": "offset", "collapsed_slice_dims": "collapsed",
+             "start_index_map": "start_map", "operand_batching_dims": "operand_batch",
+             "start_indices_batching_dims": "indices_batch",
+             "update_window_dims": "window", "inserted_window_dims": "inserted",
+             "scatter_dims_to_operand_dims": "to_operand",
+             "scatter_indices_batching_dims": "indices_batch"}
+    fields = {short.get(k, k): v for k, v in zip(dn._fields, dn, strict=True) if v != ()}
+    out.pop("update_jaxpr", None)
+    if out.get("update_consts") == ():
+        out.pop("update_consts")
+    return fields | out
+
+
+def _reduce_window_params(params, eqn):
+    out = dict(params)
+    if _all((p for pair in out.get("padding", ()) for p in pair), 0):
+        out.pop("padding", None)
+    for key in ("base_dilation", "window_dilation"):
+        if _all(out.get(key), 1):
+            out.pop(key, None)
+    return out
+
+
+def _without(*keys):
+    return lambda params, eqn: {k: v for k, v in params.items() if k not in keys}
+
+
+def _broadcast_params(params, eqn):
+    return {"dims": params["broadcast_dimensions"]} | _without(
+        "shape", "broadcast_dimensions")(params, eqn)
+
+
+# Per-op rewriting of params for printing (what the output aval says, or a compact form).
+_PARAM_VIEWS = {
+    "dot_general": _dot_general_params,
+    "conv_general_dilated": _conv_params,
+    "gather": _gather_params,
+    "broadcast_in_dim": _broadcast_params,
+    "reshape": _without("new_sizes"),
+}
+for _op in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max"):
+    _PARAM_VIEWS[_op] = _gather_params
+for _op in ("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window"):
+    _PARAM_VIEWS[_op] = _reduce_window_params
+# Params left out when they have this (default) value.
+_DEFAULTS = {"weak_type": False, "unique_indices": False, "indices_are_sorted": False}
+
+
+def format_params(eqn) -> str:
+    view = _PARAM_VIEWS.get(eqn.op)
+    params = view(eqn.params, eqn) if view else eqn.params
+    shown = [f"{k}={format_param(v)}" for k, v in params.items()
+             if v is not None and not (k in _DEFAULTS and v is _DEFAULTS[k])]
+    return f"[{' '.join(shown)}]" if shown else ""
+
+
+def eqn_lines(graph: Graph, name: _Namer | None = None) -> tuple[str, list[str], str]:
+    """(head, one text per eqn, outputs), with the graph's variable names."""
+    name = name or _Namer()
 
     def atom(a):
         return name(a) if isinstance(a, Var) else format_literal(a)
 
-    head = " ".join(
-        f"{name(v)}:{short_aval(v.aval)}@{role}" for v, role in zip(graph.inputs, graph.input_roles)
-    )
-    lines = [f"{{ lambda {head} ."]
-    body = []
+    head = " ".join(f"{name(v)}:{short_aval(v.aval)}@{role}"
+                    for v, role in zip(graph.inputs, graph.input_roles, strict=False))
+    texts = []
     for eqn in graph.eqns:
         outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs) or "_"
-        params = [f"{k}={format_param(v)}" for k, v in eqn.params.items() if v is not None]
-        op = eqn.op + (f"[{' '.join(params)}]" if params else "")
-        text = f"{outs} = {op} {' '.join(atom(a) for a in eqn.inputs)}".rstrip()
-        notes = sorted(eqn.tags) + [f"region {'/'.join(map(str, eqn.regions))}"] * bool(eqn.regions)
-        body.append((text, ", ".join(notes)))
-    width = max((len(t) for t, n in body if n), default=0)
-    for i, (text, notes) in enumerate(body):
+        texts.append(f"{outs} = {eqn.op}{format_params(eqn)} "
+                     f"{' '.join(atom(a) for a in eqn.inputs)}".rstrip())
+    outs = " ".join(f"{atom(a)}@{role}"
+                    for a, role in zip(graph.outputs, graph.output_roles, strict=False))
+    return head, texts, outs
+
+
+def _notes(eqn) -> str:
+    notes = sorted(eqn.tags)
+    if eqn.regions:
+        notes.append("region " + "/".join(map(str, eqn.regions)))
+    return ", ".join(notes)
+
+
+def format_region(region) -> str:
+    args = [region.name or "?"]
+    if region.policy is not None:
+        args.append(f"policy={format_param(region.policy)}")
+    if not region.prevent_cse:
+        args.append("prevent_cse=False")
+    parent = f" in region {region.parent}" if region.parent is not None else ""
+    return f"# region {region.id}: checkpoint({', '.join(args)}){parent}"
+
+
+def format_graph(graph: Graph) -> str:
+    head, texts, outs = eqn_lines(graph)
+    notes = [_notes(eqn) for eqn in graph.eqns]
+    width = max((len(t) for t, n in zip(texts, notes, strict=True) if n), default=0)
+    lines = [f"{{ lambda {head} ."]
+    for i, (text, note) in enumerate(zip(texts, notes, strict=True)):
         prefix = "  let " if i == 0 else "      "
-        lines.append(prefix + (f"{text:<{width}}  # {notes}" if notes else text))
-    outs = " ".join(f"{atom(a)}@{role}" for a, role in zip(graph.outputs, graph.output_roles))
+        lines.append(prefix + (f"{text:<{width}}  # {note}" if note else text))
     lines.append(f"  in ( {outs} ) }}")
+    lines += [format_region(r) for r in graph.regions]
     return "\n".join(lines)
 
 
-def format_eqn(eqn, graph: Graph | None = None) -> str:
-    """One eqn as text, with names as in `str(graph)` when the graph is given (for error messages)."""
-    if graph is not None:
-        text = str(graph)
-        index = graph.eqns.index(eqn) if eqn in graph.eqns else -1
-        if index >= 0:
-            lines = text.splitlines()[1:-1]
-            return lines[index].strip().removeprefix("let ").strip()
+def var_name(graph: Graph, v: Var) -> str:
+    """The name `str(graph)` gives `v` (for error messages)."""
     name = _Namer()
-    outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs)
+    eqn_lines(graph, name)
+    return name(v)
+
+
+def format_eqn(eqn, graph: Graph | None = None) -> str:
+    """One eqn as text, named as in `str(graph)` when the graph is given (for error messages)."""
+    if graph is not None:
+        index = next((i for i, e in enumerate(graph.eqns) if e is eqn), -1)
+        if index >= 0:
+            return eqn_lines(graph)[1][index]
+    name = _Namer()
+    outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs) or "_"
     ins = " ".join(name(a) if isinstance(a, Var) else format_literal(a) for a in eqn.inputs)
-    return f"{outs} = {eqn.op} {ins}"
+    return f"{outs} = {eqn.op}{format_params(eqn)} {ins}".rstrip()

@@ -45,29 +45,22 @@ def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
         out_tree_box.append(out_tree)
         return leaves
 
-    try:
-        closed = jax.make_jaxpr(flat_fn)(*flat_args)
-    except TraceError:
-        raise
-    except TypeError as e:
-        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)!r}: {e}") from e
+    closed = jax.make_jaxpr(flat_fn)(*flat_args)
     out_tree = out_tree_box[-1]
 
     inputs = tuple(Var(v.aval) for v in closed.jaxpr.invars)
     builder = Builder()
     outputs = tuple(builder.inline(closed.jaxpr, closed.consts, inputs))
 
-    # Roles: leaves of the param arguments are params.
+    # Roles: leaves of the param arguments are params; a single floating scalar is the loss.
     arg_sizes = [len(jax.tree.leaves(a)) for a in example_args]
     input_roles = []
     for i, size in enumerate(arg_sizes):
         input_roles += ["param" if i in argnums else "data"] * size
-    n_loss = len(jax.tree.leaves(jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves)[0])) \
-        if has_aux else out_tree.num_leaves
-    output_roles = []
-    for k, a in enumerate(outputs):
-        is_loss = k < n_loss and n_loss == 1 and _is_scalar_float(a.aval)
-        output_roles.append("loss" if is_loss else "aux")
+    n_loss = out_tree.children()[0].num_leaves if has_aux else out_tree.num_leaves
+    output_roles = ["aux"] * len(outputs)
+    if n_loss == 1 and outputs and _is_scalar_float(outputs[0].aval):
+        output_roles[0] = "loss"
     return Graph(
         inputs=inputs,
         eqns=tuple(builder.eqns),
