@@ -154,7 +154,7 @@ def test_literals_print_with_their_type():
     assert "gt a 0.0:f32[]" in text and "const:f32[3]" in text, text
 
 
-# -- the IR's objects -------------------------------------------------------------------------------
+# -- the IR's objects -----------------------------------------------------------------------------
 def test_vars_are_identities_and_everything_is_frozen():
     aval = jax.core.ShapedArray((2,), np.dtype("float32"))
     a, b = Var(aval), Var(aval)
@@ -182,7 +182,7 @@ def test_roles_by_name():
     assert g.outputs_with_role("loss") == [g.outputs[0]]
 
 
-# -- check rejects corrupted graphs -----------------------------------------------------------------
+# -- check rejects corrupted graphs ---------------------------------------------------------------
 def _substitute(graph: Graph, old: Var, new: Var) -> Graph:
     def sub(a):
         return new if a is old else a
