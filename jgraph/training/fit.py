@@ -100,7 +100,7 @@ class _ProgressBar:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit="batch", leave=True)
-        self.every = max(1, total // 40)
+        self.every = max(1, total // 20)
         self.done = 0
 
     def __call__(self, train, state, result, ibatch, ibatch_max):
@@ -110,7 +110,8 @@ class _ProgressBar:
         if ibatch == ibatch_max or ibatch % self.every == 0:
             self.bar.update(self.done - self.bar.n)
             if result is not None and result.ndata:
-                self.bar.set_postfix_str(("train " if train else "val ") + _describe(result))
+                self.bar.set_postfix_str(("train " if train else "val ") + _describe(result),
+                                         refresh=False)
 
     def close(self):
         if self.bar is not None:
