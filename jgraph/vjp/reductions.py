@@ -118,3 +118,15 @@ def _top_k_vjp(cts, ins, outs, **_):
 
 
 defvjp("top_k", _top_k_vjp)
+
+
+def _select_and_scatter_add_vjp(cts, ins, outs, *, select_prim, window_dimensions,
+                                window_strides, padding):
+    """Linear in the scattered source: its transpose gathers from the selected elements."""
+    (ct,), (_source, x) = cts, ins
+    ones = (1,) * len(window_dimensions)
+    return [wr._select_and_gather_add(ct, x, select_prim, window_dimensions, window_strides,
+                                      padding, ones, ones), None]
+
+
+defvjp("select_and_scatter_add", _select_and_scatter_add_vjp)
