@@ -1,10 +1,11 @@
 """Memory reports: an estimate on the graph's schedule, and XLA's figures for the compiled step.
 
 `memory(graph)` walks the schedule (the order of `graph.eqns`) as the interpreter does: a value is
-live from the eqn that produces it to its last reader (outputs: to the end). It reports the bytes
-of produced values live at each eqn and their peak (graph inputs are counted apart, in
-`argument_bytes`), and the saved residuals: the values the backward (or a recompute) reads from
-the forward, each with its provenance, as `jax.ad_checkpoint.print_saved_residuals` prints them.
+live from the eqn that produces it to its last reader. It reports the bytes of intermediate values
+live at each eqn and their peak, the counterpart of XLA's temp buffers: the graph's inputs and
+outputs are counted apart (`argument_bytes`, `output_bytes`), as in a donated step the gradients
+go straight into the params. And it lists the saved residuals: the values the backward (or a
+recompute) reads from the forward, with their provenance, as `print_saved_residuals` prints them.
 
 `compiled_memory(graph, *args)` compiles the *donated training step* of the graph and returns
 XLA's `memory_analysis()` figures. The step takes the graph's state inputs (params, accumulators,
@@ -44,10 +45,11 @@ class Residual:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    peak_bytes: int  # most bytes of produced values live at once
+    peak_bytes: int  # most bytes of intermediate values live at once
     peak_eqn: int  # index of the eqn where the peak is reached (-1: no eqns)
-    live_bytes: tuple[int, ...]  # per eqn: bytes of produced values live while it runs
+    live_bytes: tuple[int, ...]  # per eqn: bytes of intermediate values live while it runs
     argument_bytes: int  # bytes of the graph's inputs
+    output_bytes: int  # bytes of the graph's outputs that eqns produce
     residuals: tuple[Residual, ...]  # forward values read by the backward, in schedule order
 
     @property
@@ -57,6 +59,7 @@ class MemoryReport:
     def __str__(self):
         lines = [f"peak {self.peak_bytes / 2**20:.2f} MiB at eqn {self.peak_eqn}, "
                  f"arguments {self.argument_bytes / 2**20:.2f} MiB, "
+                 f"outputs {self.output_bytes / 2**20:.2f} MiB, "
                  f"{len(self.residuals)} saved residuals ({self.residual_bytes / 2**20:.2f} MiB):"]
         lines += [f"  {r}" for r in self.residuals]
         return "\n".join(lines)
@@ -65,11 +68,13 @@ class MemoryReport:
 def memory(graph: Graph) -> MemoryReport:
     """Live bytes per eqn on the graph's schedule, their peak, and the saved residuals."""
     last = last_uses(graph)
+    outputs = {a for a in graph.outputs if isinstance(a, Var)}
     live, total, per_eqn = {}, 0, []
     for i, eqn in enumerate(graph.eqns):
         for v in eqn.outputs:
-            live[v] = nbytes(v.aval)
-            total += live[v]
+            if v not in outputs:
+                live[v] = nbytes(v.aval)
+                total += live[v]
         per_eqn.append(total)
         for v in [*eqn.outputs, *eqn.inputs]:  # free what this eqn was the last to read
             if isinstance(v, Var) and v in live and last.get(v, i) <= i:
@@ -80,6 +85,7 @@ def memory(graph: Graph) -> MemoryReport:
         peak_eqn=per_eqn.index(peak) if per_eqn else -1,
         live_bytes=tuple(per_eqn),
         argument_bytes=sum(nbytes(v.aval) for v in graph.inputs),
+        output_bytes=sum(nbytes(v.aval) for v in outputs - set(graph.inputs)),
         residuals=tuple(saved_residuals(graph)),
     )
 
