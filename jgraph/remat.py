@@ -38,13 +38,15 @@ def is_forward(eqn: Eqn) -> bool:
 
 
 def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
-    """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region."""
-    if budget is not None:
-        raise TransformError("remat(budget=...): automatic planning under a memory budget is a "
-                             "planned capability that is not built yet")
+    """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
+    `budget=` (bytes) plans regions itself instead (see `remat_under_budget`)."""
     if not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
                              "first (this graph has no eqn tagged 'backward')")
+    if budget is not None:
+        if policy is not None:
+            raise TransformError("remat: give either policy= or budget=, not both")
+        return remat_under_budget(graph, budget)
     if policy is not None:
         graph = _with_whole_forward_region(graph, policy)
     if not graph.regions:
@@ -181,3 +183,58 @@ class _Planner:
                                    regions=())
         self.emitted[copy] = phase
         return copy
+
+
+# -- automatic planning under a memory budget ------------------------------------------------------
+SEGMENT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def remat_under_budget(graph: Graph, budget: int) -> Graph:
+    """The plan with the fewest recomputed eqns whose `jgraph.memory` peak fits in `budget` bytes.
+
+    Candidates: no remat, then the forward schedule cut into k contiguous segments of about equal
+    activation bytes, each a region that saves nothing (classic sqrt(N) checkpointing at k ~
+    sqrt(N)). Regions recorded while tracing are replaced. No remat is chosen whenever it fits,
+    so a plan never uses more memory than no remat. Raises TransformError when nothing fits.
+    """
+    from jgraph.memory import memory
+
+    plain = _without_regions(graph)
+    forward = [e for e in plain.eqns if is_forward(e)]
+    best, peaks = None, {}
+    for k in (0,) + tuple(n for n in SEGMENT_COUNTS if n <= len(forward)):
+        candidate = plain if k == 0 else remat(_segmented(plain, forward, k))
+        peak = memory(candidate).peak_bytes
+        peaks[k] = peak
+        cost = sum("recompute" in e.tags for e in candidate.eqns)
+        if peak <= budget and (best is None or cost < best[0]):
+            best = (cost, k, candidate)
+    if best is None:
+        k_min = min(peaks, key=peaks.get)
+        raise TransformError(
+            f"remat(budget={budget}): no plan fits; the smallest estimated peak is "
+            f"{peaks[k_min]} bytes ({k_min} segments; no remat: {peaks[0]} bytes)")
+    _, k, chosen = best
+    info = dict(chosen.info, remat=dict(chosen.info.get("remat", {}), budget=budget, segments=k,
+                                        peak_bytes=peaks[k]))
+    return chosen.replace(info=info)
+
+
+def _without_regions(graph: Graph) -> Graph:
+    eqns = tuple(dataclasses.replace(e, regions=()) if e.regions else e for e in graph.eqns)
+    return graph.replace(eqns=eqns, regions=())
+
+
+def _segmented(graph: Graph, forward: list[Eqn], k: int) -> Graph:
+    """`graph` with its forward cut into `k` regions of about equal output bytes."""
+    from jgraph.memory import nbytes
+
+    sizes = [sum(nbytes(v.aval) for v in e.outputs) for e in forward]
+    total, running, segment = max(sum(sizes), 1), 0, {}
+    for eqn, size in zip(forward, sizes, strict=True):
+        segment[eqn] = min(k - 1, running * k // total)
+        running += size
+    regions = tuple(Region(i, None, None, True, f"segment {i}") for i in range(k))
+    eqns = tuple(dataclasses.replace(e, regions=(segment[e],)) if e in segment else e
+                 for e in graph.eqns)
+    return graph.replace(eqns=eqns, regions=regions)

@@ -290,9 +290,9 @@ def test_remat_of_a_forward_graph_is_an_error():
         jg.remat(jg.trace(named_mlp(None), W, X, param_argnums=0))
 
 
-def test_remat_budget_is_not_built_yet():
+def test_remat_budget_and_policy_together_is_an_error():
     with pytest.raises(TransformError, match="budget"):
-        jg.remat(joint(named_mlp(None), W, X), budget=1 << 20)
+        jg.remat(joint(named_mlp(None), W, X), budget=1 << 20, policy=jg.policies.dots_saveable)
 
 
 def test_remat_is_pure_and_idempotent():
@@ -385,3 +385,31 @@ def test_protected_step_is_bitwise_equal_and_donates():
             state, others = step(state, rest)
         outs.append((state, others))
     assert_bitwise(outs[1], outs[0])
+
+
+# -- automatic plan under a memory budget ----------------------------------------------------------
+def test_budget_plan_fits_the_estimate_and_xla_agrees():
+    loss, params, x = small_chain(segment=16, layers=16, batch=256)
+    gb = joint(loss, params, x)
+    base = jg.memory(gb).peak_bytes
+    budget = base // 2
+    gr = jg.remat(gb, budget=budget)
+    assert recomputed(gr) and jg.memory(gr).peak_bytes <= budget
+    assert gr.info["remat"]["segments"] > 1 and gr.regions != gb.regions
+    assert_remat_exact(gb, gr, (params, x), loss)
+    if jax.default_backend() == "cpu":
+        assert jg.compiled_memory(gr, params, x).temp_bytes <= budget
+
+
+def test_budget_that_no_remat_meets_changes_nothing():
+    loss, params, x = small_chain(segment=4)
+    gb = joint(loss, params, x)
+    gr = jg.remat(gb, budget=1 << 30)
+    assert not recomputed(gr) and gr.info["remat"]["segments"] == 0
+    assert_remat_exact(gb, gr, (params, x), loss)
+
+
+def test_budget_nothing_can_meet_is_an_error_naming_the_best_peak():
+    loss, params, x = small_chain(segment=4)
+    with pytest.raises(TransformError, match="smallest estimated peak"):
+        jg.remat(joint(loss, params, x), budget=16)
