@@ -7,15 +7,17 @@ Recompute protection. A recomputed eqn is the same op on the same values as its 
 so XLA's CSE would merge the two and keep the forward value alive: the remat would save nothing.
 `optimization_barrier` does not prevent that on XLA:CPU, whose `cse_barrier_expander` deletes
 barriers before CSE (jax-ml/jax#19822). So the lowering makes each group of consecutive `no_cse`
-eqns data dependent on the latest value computed before the group (a backward cotangent, or the
-loss): every value the group reads from outside goes through
+eqns data dependent on the anchor: the latest value computed from the graph's inputs before the
+group (a backward cotangent, or the loss; never a constant, which XLA would fold). In each eqn of
+the group that reads no value the group already protects, one input x (the smallest non-param)
+is read as
 
-    select(c < c, zeros, x)    with c = the first element of that anchor value,
+    select(c < c, zeros, x)    with c = the first element of the anchor,
 
-which is `x` bit for bit (`c < c` is false for every float, NaN included) but which XLA cannot fold:
-it does not simplify float compares of a value with itself. The recompute therefore differs from
-the forward for CSE, and it cannot start before the anchor exists, i.e. before the backward has
-reached it. This holds with default flags, on every backend, and inside a user's own `jax.jit`.
+which is `x` bit for bit (`c < c` is false for every float, NaN included) but which XLA cannot
+fold: it does not simplify float compares of a value with itself. The recompute therefore differs
+from the forward for CSE, and it cannot start before the anchor exists, i.e. before the backward
+has reached it. This holds with default flags, on every backend, and inside a user's own jit.
 """
 
 from __future__ import annotations
@@ -44,13 +46,18 @@ def protection_plan(graph: Graph):
     params = set(graph.inputs_with_role("param"))
     protected: set[Var] = set()  # outputs of no_cse eqns: already distinct from the forward
     latest = next((v for v in graph.inputs if _anchorable(v.aval)), None)
+    varying = set(graph.inputs)  # values XLA cannot fold to constants
     in_group = False
     for eqn in graph.eqns:
         if "no_cse" not in eqn.tags:
             in_group = False
-            if "recompute" not in eqn.tags:
-                latest = next((v for v in reversed(eqn.outputs) if _anchorable(v.aval)), latest)
+            if any(a in varying for a in eqn.inputs if isinstance(a, Var)):
+                varying.update(eqn.outputs)
+                if "recompute" not in eqn.tags:
+                    latest = next((v for v in reversed(eqn.outputs) if _anchorable(v.aval)),
+                                  latest)
             continue
+        varying.update(eqn.outputs)
         if not in_group:
             anchors.append(latest)
             in_group = True

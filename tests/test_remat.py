@@ -373,6 +373,24 @@ def test_without_protection_xla_merges_the_recompute_back():
         assert jg.compiled_memory(gr, params, x).dots == jg.compiled_memory(gb, params, x).dots
 
 
+def test_protection_never_waits_on_a_constant():
+    """The first backward values derive from the constant loss seed; XLA folds those, so the
+    recompute placed right after them must wait on a value computed from the inputs."""
+    from jgraph.lower import protection_plan
+
+    def f(w, x):
+        return jnp.sum(jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x @ w))
+
+    gr = jg.remat(joint(f, W, X))
+    plan, anchors = protection_plan(gr)
+    producer = {v: e for e in gr.eqns for v in e.outputs}
+    assert len(anchors) == 1 and producer[anchors[0]].op == "reduce_sum"  # the loss
+    assert [e.op for e in plan] == ["sin"]
+    step, split = donated_step(gr)
+    hlo = step.lower(*split(jnp.copy(W), X)).compile().as_text()
+    assert "direction=LT" in hlo and " select(" in hlo  # the protection survives XLA
+
+
 def test_protected_step_is_bitwise_equal_and_donates():
     loss, params, x = small_chain(segment=4)
     gb = joint(loss, params, x)
