@@ -14,10 +14,15 @@ recomputed once, in R's recompute, from the values kept at R's level, which may 
 recomputed copies of an enclosing region's recompute; while R is recomputed, a region nested in R
 again keeps only what crosses it, so recursive checkpointing gives logarithmic memory.
 
+Policies. A region's policy is asked about every forward eqn inside it, inner regions included;
+with `policy=`, one more region holds the whole forward. (JAX asks an outer policy about an inner
+`remat` as a whole, not about its eqns; for everything/nothing-saveable the two agree.)
+
 Recompute is demand driven: a copy is emitted just before the first eqn that reads it, so nothing
 is recomputed that no backward eqn reads. Copies are tagged `recompute` (and `no_cse` when the
 region asks for CSE prevention, as `jax.checkpoint` does by default; `jgraph.lower` then protects
 them from XLA's CSE). Random values are replayed: a copy of `random_bits` reads the same key.
+`remat(graph, budget=bytes)` instead plans segment regions itself (`remat_under_budget`).
 """
 
 from __future__ import annotations
