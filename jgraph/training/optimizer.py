@@ -294,7 +294,10 @@ class Optimizer:
             acc, params, opt_state = update_f(params, acc, opt_state)
             return params, opt_state, acc, values
 
-        return jax.jit(run, donate_argnums=(0, 1, 2) if self.static else ())
+        # Params are donated only at period 1: in a loop that reads them every micro-step, XLA
+        # keeps a copy of donated params in temp, which costs more than a fresh output buffer.
+        donate = ((0, 1, 2) if period == 1 else (1, 2)) if self.static else ()
+        return jax.jit(run, donate_argnums=donate)
 
     # -- saving -----------------------------------------------------------------------------------
     def save(self, state: TrainState, path, dataset=None, extra=None) -> None:
