@@ -41,6 +41,7 @@ class OpSpec:
 _IDX = np.array([2, 0, 2, 1])
 _SCATTER_DN = lax.ScatterDimensionNumbers((1,), (0,), (0,))
 _VARY = frozenset({"shapes"})
+QUICK = {"xla_backend_optimization_level": 0}  # compile options: these tests compile ~200 times
 
 
 def _conv(x, w):
@@ -191,10 +192,11 @@ def _check_row(spec, shapes=None, seed=0):
     gb = jg.backward(g)
     jg.check(gb)
     # forward vs jnp, jg.backward vs jax.vjp: one compiled call for both.
-    both = jax.jit(lambda xs, ct: (as_function(gb)(xs, ct), jax.vjp(spec.fn, *xs)))
-    (value, grads), (y_ref, vjp_ref) = both(xs, ct)
-    np.testing.assert_allclose(value, jnp.sum(y_ref * ct), rtol=1e-5)  # sums may reassociate
-    for got, want in zip(grads, vjp_ref(ct), strict=True):
+    both = jax.jit(lambda xs, ct: (as_function(gb)(xs, ct), jax.vjp(spec.fn, *xs)[1](ct),
+                                   jnp.sum(spec.fn(*xs) * ct)))
+    (value, grads), vjp_ref, value_ref = both.lower(xs, ct).compile(QUICK)(xs, ct)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-5)  # sums may reassociate
+    for got, want in zip(grads, vjp_ref, strict=True):
         np.testing.assert_allclose(got, want, rtol=spec.rtol, atol=spec.rtol)
 
 
