@@ -87,7 +87,9 @@ def flatten_args(graph: Graph, args) -> list:
 
 def _dtype(x):
     dtype = getattr(x, "dtype", None)
-    return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+    if dtype is None:
+        return None
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def _leaf_path(args, k: int) -> str:

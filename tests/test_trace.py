@@ -1,0 +1,291 @@
+"""`jg.trace`: pytrees, roles, and how each kind of JAX primitive is rewritten or refused."""
+
+import inspect
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import jgraph as jg
+
+f32 = jnp.float32
+
+
+def ops_of(graph):
+    return [eqn.op for eqn in graph.eqns]
+
+
+def assert_tree_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- pytrees and roles ----------------------------------------------------------------------------
+class Pair(NamedTuple):
+    w: jax.Array
+    b: jax.Array
+
+
+def tree_fn(params, batch, scale):
+    h = batch["x"] @ params["dense"].w + params["dense"].b
+    h = h * params["gains"][0] + params["gains"][1]
+    return {"loss": jnp.sum(h) * scale, "parts": (h, [jnp.max(h)])}
+
+
+def tree_args():
+    params = {"dense": Pair(jnp.ones((3, 2), f32), jnp.arange(2, dtype=f32)),
+              "gains": [jnp.full((2,), 2.0, f32), jnp.ones((2,), f32)]}
+    return params, {"x": jnp.arange(12, dtype=f32).reshape(4, 3)}, f32(0.5)
+
+
+def test_pytrees_in_and_out():
+    args = tree_args()
+    g = jg.check(jg.trace(tree_fn, *args, param_argnums=0))
+    assert g.in_tree == jax.tree.structure(args)
+    assert g.out_tree == jax.tree.structure(tree_fn(*args))
+    assert g.input_roles == ("param",) * 4 + ("data",) * 2
+    assert g.output_roles == ("aux",) * 3  # a dict is not a scalar loss
+    assert_tree_equal(jg.compile(g)(*args), jax.jit(tree_fn)(*args))
+    assert_tree_equal(jg.evaluate(g, *args), tree_fn(*args))
+
+
+@pytest.mark.parametrize("argnums, roles", [
+    (None, ("data",) * 6),
+    (0, ("param",) * 4 + ("data",) * 2),
+    ((0, 2), ("param",) * 4 + ("data", "param")),
+    (-1, ("data",) * 5 + ("param",)),
+    ((1, -3), ("param",) * 5 + ("data",)),
+])
+def test_param_argnums(argnums, roles):
+    g = jg.trace(tree_fn, *tree_args(), param_argnums=argnums)
+    assert g.input_roles == roles and g.param_argnums == argnums
+
+
+@pytest.mark.parametrize("argnums", [3, -4, (0, 5), "0"])
+def test_param_argnums_out_of_range(argnums):
+    with pytest.raises(jg.TraceError, match="param_argnums"):
+        jg.trace(tree_fn, *tree_args(), param_argnums=argnums)
+
+
+def aux_fn(w, x):
+    y = x @ w
+    return jnp.mean(y**2), {"pred": y, "count": jnp.sum(y > 0)}
+
+
+def test_has_aux_roles_and_structure():
+    args = (jnp.ones((3, 2), f32), jnp.ones((4, 3), f32))
+    g = jg.check(jg.trace(aux_fn, *args, param_argnums=0, has_aux=True))
+    assert g.has_aux and g.output_roles == ("loss", "aux", "aux")
+    assert_tree_equal(jg.compile(g)(*args), jax.jit(aux_fn)(*args))
+
+
+def test_has_aux_needs_a_pair():
+    with pytest.raises(jg.TraceError, match=r"has_aux=True needs .*\(loss, aux\)"):
+        jg.trace(lambda x: jnp.sum(x), jnp.ones(3, f32), has_aux=True)
+
+
+def test_non_scalar_or_integer_result_is_not_a_loss():
+    assert jg.trace(lambda x: x * 2, jnp.ones(3, f32)).output_roles == ("aux",)
+    assert jg.trace(lambda x: jnp.sum(x), jnp.ones(3, jnp.int32)).output_roles == ("aux",)
+    assert jg.trace(lambda x: (jnp.sum(x), x), jnp.ones(3, f32)).output_roles == ("aux", "aux")
+
+
+def test_python_scalars_and_closed_over_constants():
+    table = np.arange(3.0, dtype=np.float32)
+
+    def f(x, s):
+        return jnp.sum(x * table) * s
+
+    g = jg.trace(f, jnp.ones(3, f32), 2.0)
+    assert any(isinstance(a, jg.Literal) and a.aval.shape == (3,)
+               for eqn in g.eqns for a in eqn.inputs)
+    x = jnp.arange(3, dtype=f32)
+    np.testing.assert_array_equal(jg.compile(g)(x, 3.0), jax.jit(f)(x, 3.0))
+    np.testing.assert_array_equal(jg.evaluate(g, x, 3.0), f(x, 3.0))
+
+
+# -- calls with the wrong signature ---------------------------------------------------------------
+@pytest.mark.parametrize("run", [lambda g, *a: jg.compile(g)(*a), jg.evaluate],
+                         ids=["compile", "evaluate"])
+def test_arguments_must_match_the_traced_signature(run):
+    params, batch, scale = tree_args()
+    g = jg.trace(tree_fn, params, batch, scale, param_argnums=0)
+    with pytest.raises(jg.JGraphError, match="do not match the traced signature"):
+        run(g, params, {"x": batch["x"], "y": batch["x"]}, scale)
+    with pytest.raises(jg.JGraphError, match=r"args\[1\]\['x'\] is f32\[5,3\] but the traced "
+                                             r"signature has f32\[4,3\]"):
+        run(g, params, {"x": jnp.ones((5, 3), f32)}, scale)
+    with pytest.raises(jg.JGraphError, match=r"args\[2\] is i32\[\] .* has f32\[\]"):
+        run(g, params, batch, jnp.int32(1))
+    with pytest.raises(jg.JGraphError):
+        run(g, params, batch)
+
+
+def test_compiled_graph_composes_with_vmap():
+    g = jg.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2), f32), jnp.ones(3, f32))
+    w, xs = jnp.full((3, 2), 0.1, f32), jnp.arange(12, dtype=f32).reshape(4, 3)
+    got = jax.vmap(jg.compile(g), in_axes=(None, 0))(w, xs)
+    np.testing.assert_allclose(got, jnp.sum(jnp.tanh(xs @ w), axis=1), rtol=1e-6)
+
+
+# -- nested jit, custom_jvp, checkpoint, checkpoint_name ------------------------------------------
+def test_nested_jit_is_inlined():
+    inner = jax.jit(lambda x: jnp.sin(x) * 2.0)
+    outer = jax.jit(lambda x: inner(inner(x)) + 1.0)
+    g = jg.trace(lambda x: jnp.sum(outer(x)), jnp.ones(3, f32))
+    assert ops_of(g) == ["sin", "mul", "sin", "mul", "add", "reduce_sum"]
+    x = jnp.arange(3, dtype=f32)
+    np.testing.assert_array_equal(jg.compile(g)(x), jnp.sum(outer(x)))
+
+
+@jax.custom_jvp
+def odd_sin(x):
+    return jnp.sin(x)
+
+
+odd_sin.defjvp(lambda primals, tangents: (odd_sin(primals[0]), 100.0 * tangents[0]))
+
+
+def test_custom_jvp_uses_the_primal_body():
+    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32))
+    assert "custom_jvp_call" not in ops_of(g)
+    assert ops_of(g) == ["max", "sin", "reduce_sum"]
+    x = jnp.array([-1.0, 0.5, 2.0], f32)
+    np.testing.assert_array_equal(jg.evaluate(g, x), jnp.sum(jnp.sin(jnp.maximum(x, 0.0))))
+
+
+def block(x):
+    return jnp.tanh(x) * 3.0
+
+
+def checkpointed(x):
+    policy = jax.checkpoint_policies.dots_saveable
+
+    def outer(y):
+        y = jax.checkpoint(block)(y)
+        return checkpoint_name(jnp.sin(y), "after_sin")
+
+    y = jax.checkpoint(outer, policy=policy)(x)
+    y = jax.checkpoint(block, prevent_cse=False)(y)
+    return jnp.sum(jnp.exp(y))
+
+
+def test_checkpoint_regions_are_recorded_nested_with_policy():
+    g = jg.check(jg.trace(checkpointed, jnp.ones(4, f32)))
+    outer, inner, last = g.regions
+    assert (outer.id, outer.parent, outer.name) == (0, None, "outer")
+    assert outer.policy is jax.checkpoint_policies.dots_saveable and outer.prevent_cse
+    assert (inner.parent, inner.name, inner.policy) == (0, "block", None)
+    assert (last.parent, last.name, last.prevent_cse) == (None, "block", False)
+    assert [(e.op, e.regions) for e in g.eqns] == [
+        ("tanh", (0, 1)), ("mul", (0, 1)), ("sin", (0,)), ("name", (0,)),
+        ("tanh", (2,)), ("mul", (2,)), ("exp", ()), ("reduce_sum", ())]
+    assert g.eqns[3].params == {"name": "after_sin"}
+    assert "test_trace.py" in outer.source
+
+
+def test_checkpoint_name_is_a_named_identity():
+    g = jg.trace(lambda x: jnp.sum(checkpoint_name(x * 2.0, "twice")), jnp.ones(3, f32))
+    (named,) = [e for e in g.eqns if e.op == "name"]
+    assert named.params["name"] == "twice" and named.outputs[0].aval == named.inputs[0].aval
+    x = jnp.arange(3, dtype=f32)
+    np.testing.assert_array_equal(jg.compile(g)(x), jnp.sum(x * 2.0))
+
+
+# -- scan, while, cond, RNG -----------------------------------------------------------------------
+def scan_fn(ws, x, reverse=False):
+    def step(h, w):
+        h = jnp.tanh(h @ w)
+        return h, jnp.sum(h)
+
+    h, ys = jax.lax.scan(step, x, ws, reverse=reverse)
+    return jnp.sum(h) + jnp.sum(ys * jnp.arange(ys.shape[0], dtype=ys.dtype))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("length", [0, 1, 3])
+def test_scan_is_unrolled(length, reverse):
+    ws = jnp.linspace(-1.0, 1.0, length * 9, dtype=f32).reshape(length, 3, 3)
+    x = jnp.array([0.3, -0.2, 0.9], f32)
+    g = jg.check(jg.trace(lambda w, v: scan_fn(w, v, reverse), ws, x, param_argnums=0))
+    assert "scan" not in ops_of(g) and ops_of(g).count("tanh") == length
+    if length == 0:  # disable_jit cannot run an empty scan; there is nothing to round anyway
+        want = jax.jit(scan_fn, static_argnums=2)(ws, x, reverse)
+    else:
+        with jax.disable_jit():  # op by op, like the unrolled graph
+            want = scan_fn(ws, x, reverse)
+    np.testing.assert_allclose(jg.compile(g)(ws, x), want, rtol=1e-6)
+    np.testing.assert_array_equal(jg.evaluate(g, ws, x), want)
+
+
+def test_scan_with_consts_and_no_xs():
+    def f(a, x):
+        h, _ = jax.lax.scan(lambda c, _: (c * a + 1.0, None), x, None, length=4)
+        return jnp.sum(h)
+
+    g = jg.trace(f, f32(0.5), jnp.ones(2, f32))
+    assert ops_of(g).count("mul") == 4
+    np.testing.assert_array_equal(jg.evaluate(g, f32(0.5), jnp.ones(2, f32)), 2 * 1.9375)
+
+
+def loops(x, i):
+    _, y = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, x))
+    z = jax.lax.cond(i > 0, lambda v: v * 2.0, lambda v: v + 1.0, y)
+    return jnp.sum(jax.lax.switch(i, [jnp.sin, jnp.cos, jnp.exp], z))
+
+
+def test_while_and_cond_are_carried_opaque():
+    x = jnp.array([0.1, 0.2], f32)
+    g = jg.check(jg.trace(loops, x, 1))
+    assert ops_of(g).count("while") == 1 and ops_of(g).count("cond") == 2
+    for i in (0, 1, 2):
+        np.testing.assert_array_equal(jg.compile(g)(x, i), jax.jit(loops)(x, i))
+        np.testing.assert_array_equal(jg.evaluate(g, x, i), loops(x, i))
+
+
+def noisy(x, key):
+    return jnp.sum(x * jax.random.normal(key, x.shape, x.dtype))
+
+
+@pytest.mark.parametrize("make_key", [jax.random.PRNGKey, jax.random.key], ids=["raw", "typed"])
+def test_rng_ops_are_opaque_and_bitwise(make_key):
+    x, key = jnp.ones(5, f32), make_key(3)
+    g = jg.check(jg.trace(noisy, x, key))
+    assert "random_bits" in ops_of(g)
+    np.testing.assert_array_equal(jg.compile(g)(x, make_key(4)), jax.jit(noisy)(x, make_key(4)))
+    with jax.disable_jit():
+        np.testing.assert_array_equal(jg.evaluate(g, x, key), noisy(x, key))
+
+
+# -- what jgraph refuses, and where ---------------------------------------------------------------
+def test_effects_are_refused_naming_primitive_and_line():
+    def f(x):
+        line = inspect.currentframe().f_lineno + 1
+        jax.debug.callback(print, x)
+        f.line = line
+        return jnp.sum(x)
+
+    with pytest.raises(jg.TraceError) as err:
+        jg.trace(f, jnp.ones(2, f32))
+    assert "'debug_callback'" in str(err.value) and "side effects" in str(err.value)
+    assert f"test_trace.py:{f.line}:" in str(err.value)
+
+
+def test_unsupported_higher_order_primitive_names_primitive_and_line():
+    mesh = jax.make_mesh((1,), ("i",))
+    spec = jax.sharding.PartitionSpec()
+
+    def f(x):
+        line = inspect.currentframe().f_lineno + 1
+        y = jax.shard_map(lambda a: a * 2.0, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+        f.line = line
+        return jnp.sum(y)
+
+    with pytest.raises(jg.TraceError) as err:
+        jg.trace(f, jnp.ones(2, f32))
+    assert "higher-order primitive 'shard_map' is not supported" in str(err.value)
+    assert f"test_trace.py:{f.line}:" in str(err.value)
