@@ -1,4 +1,4 @@
-"""Benchmarks: each `bench_<topic>.py` exposes `rows(quick=False)`; `python -m benchmarks.run` prints them.
+"""Benchmarks: each `bench_<topic>.py` has `rows(quick=False)`; `python -m benchmarks.run` runs all.
 
 Shared helper: `interleaved_medians` times jgraph and its JAX reference in alternation, in the same
 process, and returns the median of each (DESIGN §5: ratios, never an absolute time alone).
@@ -19,7 +19,8 @@ def _timed(fn: Callable) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(fns: dict[str, Callable], repeats: int, warmup: int = 1) -> dict[str, float]:
+def interleaved_medians(fns: dict[str, Callable], repeats: int,
+                        warmup: int = 1) -> dict[str, float]:
     """Median seconds per call of each zero-argument `fn`, run in turn `repeats` times."""
     for _ in range(warmup):
         for fn in fns.values():

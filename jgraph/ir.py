@@ -4,10 +4,11 @@
     eqn    ::= <var>* = <op>[<params>] <atom>*
     atom   ::= <var> | <literal>
 
-A `Var` is nothing but its abstract value; two variables are the same only if they are the same Python
-object (`eq=False`). Names are invented when a graph is printed. The order of `Graph.eqns` is the
-schedule: memory estimates and lowering follow it. Every input and output carries a role (ggml's
-tensor flags made explicit), so transforms and callers never rely on positions by convention.
+A `Var` is nothing but its abstract value; two variables are the same only if they are the same
+Python object (`eq=False`). Names are invented when a graph is printed. The order of `Graph.eqns`
+is the schedule: memory estimates and lowering follow it. Every input and output carries a role
+(ggml's tensor flags made explicit), so transforms and callers never rely on positions by
+convention.
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ class Graph:
         return dataclasses.replace(self, **changes)
 
     def inputs_with_role(self, role: str) -> list[Var]:
-        return [v for v, r in zip(self.inputs, self.input_roles) if r == role]
+        return [v for v, r in zip(self.inputs, self.input_roles, strict=True) if r == role]
 
     def outputs_with_role(self, role: str) -> list[Atom]:
-        return [a for a, r in zip(self.outputs, self.output_roles) if r == role]
+        return [a for a, r in zip(self.outputs, self.output_roles, strict=True) if r == role]
 
     def region(self, region_id: int) -> Region:
         return next(r for r in self.regions if r.id == region_id)
@@ -109,9 +110,11 @@ class Graph:
 def literal(value, dtype=None) -> Literal:
     """A literal of `value` (weakly typed if it is a Python scalar and no dtype is given)."""
     weak = dtype is None and isinstance(value, (bool, int, float, complex))
-    arr = np.asarray(value, dtype=dtype if dtype is not None else jax.dtypes.canonicalize_dtype(
-        np.result_type(value)))
-    return Literal(arr[()] if arr.ndim == 0 else arr, ShapedArray(arr.shape, arr.dtype, weak_type=weak))
+    if dtype is None:
+        dtype = jax.dtypes.canonicalize_dtype(np.result_type(value))
+    arr = np.asarray(value, dtype=dtype)
+    aval = ShapedArray(arr.shape, arr.dtype, weak_type=weak)
+    return Literal(arr[()] if arr.ndim == 0 else arr, aval)
 
 
 def short_aval(aval) -> str:
