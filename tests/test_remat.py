@@ -429,7 +429,9 @@ def test_budget_that_no_remat_meets_changes_nothing():
     gb = joint(loss, params, x)
     gr = jg.remat(gb, budget=1 << 30)
     assert not recomputed(gr) and gr.info["remat"]["segments"] == 0
-    assert_remat_exact(gb, gr, (params, x), loss)
+    assert [e.op for e in gr.eqns] == [e.op for e in gb.eqns] and gr.regions == ()
+    assert all(e.inputs == f.inputs for e, f in zip(gr.eqns, gb.eqns, strict=True))
+    jg.check(gr)
 
 
 def test_budget_nothing_can_meet_is_an_error_naming_the_best_peak():
