@@ -25,8 +25,11 @@ def sign_adamw():
     return optax.adamw(1.0, b1=0.0, b2=0.0, eps=0.0, weight_decay=0.0)
 
 
+SIGN_ADAMW = sign_adamw()  # one object: equal Optimizers share their executables
+
+
 def fixture(loss="sum", period=1, physical=1, tx=None, static=True):
-    opt = jg.Optimizer(model, tx or sign_adamw(), loss=loss, period=period, static=static)
+    opt = jg.Optimizer(model, tx or SIGN_ADAMW, loss=loss, period=period, static=static)
     state = opt.init({"w": jnp.array([3.0], F32)}, jnp.zeros((physical,), F32))
     return opt, state
 

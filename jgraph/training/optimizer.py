@@ -65,6 +65,10 @@ class _Build:
     state_template: Any = field(default=None)
 
 
+_SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
+_MAX_SHARED_BUILDS = 64
+
+
 def _dtype(a) -> np.dtype:
     return np.dtype(a.dtype) if hasattr(a, "dtype") else np.asarray(a).dtype
 
@@ -160,8 +164,25 @@ class Optimizer:
                 (known,) = self._builds
                 raise JGraphError(f"static Optimizer was built for inputs {known}, got {key}; "
                                   f"use Optimizer(..., static=False) for varying shapes")
-            build = self._builds[key] = self._build(self._params_shape, x, y)
+            build = self._builds[key] = self._shared_build(x, y, key)
         self._last = build
+        return build
+
+    def _shared_build(self, x, y, key) -> _Build:
+        """Optimizers with the same model, transformation, settings and shapes share graphs and
+        executables (as `jax.jit` shares by function identity), so each compiles once."""
+        params_key = jax.tree.structure(self._params_shape), tuple(
+            (s.shape, s.dtype) for s in jax.tree.leaves(self._params_shape))
+        shared_key = (self.fn, self.tx, self.loss, self.period, self.static, self.remat,
+                      params_key, key)
+        try:
+            build = _SHARED_BUILDS.get(shared_key)
+        except TypeError:  # an unhashable part (a remat dict): no sharing
+            return self._build(self._params_shape, x, y)
+        if build is None:
+            build = _SHARED_BUILDS[shared_key] = self._build(self._params_shape, x, y)
+            while len(_SHARED_BUILDS) > _MAX_SHARED_BUILDS:
+                _SHARED_BUILDS.pop(next(iter(_SHARED_BUILDS)))
         return build
 
     def _counter(self, i: int):
@@ -255,16 +276,23 @@ class Optimizer:
         if lead != {self.period}:
             raise JGraphError(f"step_period needs inputs stacked {self.period} deep on axis 0, "
                               f"got leading sizes {sorted(lead)}")
+        run = self.period_function(inputs_stack, labels_stack)
+        ys = labels_stack if self.needs_labels else None
+        params, opt_state, acc, value = run(state.params, state.grad_acc, state.opt_state,
+                                            inputs_stack, ys)
+        return TrainState(params, opt_state, acc, np.int32(0)), self._output(
+            value, self._last, self.period)
+
+    def period_function(self, inputs_stack, labels_stack=None):
+        """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack) -> (params,
+        opt_state, grad_acc, stacked outputs)` behind `step_period` (`.lower(...)` it to read
+        XLA's memory figures)."""
         index = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731 - one example batch
         build = self._for(index(inputs_stack), None if labels_stack is None else
                           index(labels_stack))
         if build.period_fn is None:
             build.period_fn = self._period_function(build)
-        ys = labels_stack if self.needs_labels else None
-        params, opt_state, acc, value = build.period_fn(
-            state.params, state.grad_acc, state.opt_state, inputs_stack, ys)
-        return TrainState(params, opt_state, acc, np.int32(0)), self._output(
-            value, build, self.period)
+        return build.period_fn
 
     def _period_function(self, build: _Build):
         period, labelled = self.period, self.needs_labels
