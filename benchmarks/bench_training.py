@@ -195,7 +195,8 @@ def compile_rows():
     rows = []
     xs, ys = data(8)
     for period, want in ((4, 3), (1, 2)):
-        opt = jg.Optimizer(model, TX, loss="cross_entropy", period=period)
+        # A fresh transformation object: no executables shared with the rows above.
+        opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=period)
         state = opt.init(copy(init_params()), xs[0], ys[0])
         for i in range(100):
             state, _ = opt.step(state, xs[i % 8], ys[i % 8])
