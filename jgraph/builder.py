@@ -59,6 +59,7 @@ class Builder:
         self.source = source
         self.new_regions: list[Region] = []  # regions met while inlining (checkpoint in a jaxpr)
         self.next_region_id = 0
+        self.fixed_source = False  # inside `call`: every eqn keeps `source`
 
     # -- binding ------------------------------------------------------------------------------
     def bind(self, op: str, *inputs, **params) -> list[Var]:
@@ -78,16 +79,24 @@ class Builder:
     def call(self, fn: Callable, *inputs, **static) -> list:
         """Emit the eqns of JAX function `fn(*arrays, **static)` applied to `inputs` (atoms).
 
-        `fn` returns an array or a sequence of arrays (None entries pass through as None).
+        `fn` returns an array or a sequence of arrays (None entries pass through as None). The eqns
+        keep the builder's `source` (the user's line being differentiated or transformed), not the
+        line of `fn`, which is jgraph's own code.
         """
         avals = tuple(_aval_key(a.aval) for a in inputs)
         closed, none_mask = _trace_cached(fn, tuple(sorted(static.items())), avals)
-        outs = iter(self.inline(closed.jaxpr, closed.consts, inputs))
+        fixed, self.fixed_source = self.fixed_source, True
+        try:
+            outs = iter(self.inline(closed.jaxpr, closed.consts, inputs))
+        finally:
+            self.fixed_source = fixed
         return [None if is_none else next(outs) for is_none in none_mask]
 
     # -- inlining jaxprs ----------------------------------------------------------------------
     def inline(self, jaxpr, consts, inputs) -> list:
-        """Append the eqns of `jaxpr` applied to `inputs`; return the output atoms."""
+        """Append the eqns of `jaxpr` applied to `inputs`; return the output atoms.
+
+        Each eqn gets the source line of its jaxpr eqn (the user's), except inside `call`."""
         env: dict = {}
 
         def read(v):
@@ -102,7 +111,8 @@ class Builder:
         saved_source = self.source
         try:
             for eqn in jaxpr.eqns:
-                self.source = source_line(eqn) or saved_source
+                if not self.fixed_source:
+                    self.source = source_line(eqn) or saved_source
                 outs = self.inline_eqn(eqn, [read(v) for v in eqn.invars])
                 for v, o in zip(eqn.outvars, outs, strict=True):
                     if not isinstance(v, jex_core.DropVar):

@@ -289,3 +289,13 @@ def test_unsupported_higher_order_primitive_names_primitive_and_line():
         jg.trace(f, jnp.ones(2, f32))
     assert "higher-order primitive 'shard_map' is not supported" in str(err.value)
     assert f"test_trace.py:{f.line}:" in str(err.value)
+
+
+def test_builder_call_stamps_the_builders_source_and_tags():
+    from jgraph.builder import Builder
+
+    x = jg.Var(jax.core.ShapedArray((3,), np.dtype("float32")))
+    b = Builder(tags={"backward"}, source="user.py:7:1 (loss)")
+    (y,) = b.call(jax.nn.gelu, x)  # gelu is a nested jit: its eqns are inlined too
+    assert len(b.eqns) > 3 and b.eqns[-1].outputs == (y,)
+    assert {(e.source, e.tags) for e in b.eqns} == {("user.py:7:1 (loss)", frozenset({"backward"}))}
