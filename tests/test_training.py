@@ -276,3 +276,31 @@ def test_remat_pass_through_gives_the_same_training():
                        remat=jg.policies.nothing_saveable)
     pol.init(copy(init_params()), X[:8], Y[:8])  # builds the graphs, compiles only `reset`
     assert any("recompute" in e.tags for e in pol.graphs["grad"].eqns)
+
+
+GOLDEN_SGD_STEP = """\
+{ lambda a:f32[1]@param b:f32[2]@data c:f32[1]@accumulator d:i32[]@counter .
+  let e:f32[2] = add b a
+      f:f32[] = reduce_sum[axes=(0,)] e
+      g:f32[2] = broadcast_in_dim[dims=()] 1.0:f32[]  # backward
+      h:f32[] = reduce_sum[axes=(0,)] g               # backward
+      i:f32[1] = reshape h                            # backward
+      j:bool[] = eq d 0:i32[]
+      k:f32[1] = broadcast_in_dim[dims=()] 0.0:f32[]
+      l:f32[1] = select_n j c k
+      m:f32[1] = add l i
+      n:i32[] = add d 1:i32[]
+      o:i32[] = rem n 3:i32[]
+      p:f32[1] = mul -0.5:f32[] m
+      q:f32[1] = add a p
+  in ( f@loss m@new_accumulator o@new_counter q@new_param ) }"""
+
+
+def test_printed_training_graph():
+    """The ggml fixture's opt graph: accumulate over 3 micro-steps (zeroed at counter 0), SGD."""
+    f = lambda p, x: jnp.sum(x + p["w"])  # noqa: E731
+    gb = jg.backward(jg.trace(f, {"w": jnp.zeros((1,), F32)}, jnp.zeros((2,), F32),
+                              param_argnums=0))
+    go = jg.optimizer_step(jg.accumulate(gb, period=3, loss="sum"), optax.sgd(0.5))
+    assert str(go) == GOLDEN_SGD_STEP
+    assert str(jg.reset(go)).endswith("in ( 0:i32[]@new_counter b@new_accumulator ) }")
