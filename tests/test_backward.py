@@ -194,6 +194,7 @@ def test_custom_vjp_uses_the_users_bwd():
     got = jg.compile(jg.backward(g))(w, x)[1]
     np.testing.assert_array_equal(got, jax.grad(f)(w, x))
     assert not np.allclose(got, jax.grad(lambda w, x: jnp.sum((w * x) ** 2))(w, x))
+    np.testing.assert_array_equal(jax.grad(jg.to_jax(g))(w, x), got)  # to_jax: the same bwd
 
 
 # -- errors ----------------------------------------------------------------------------------------
