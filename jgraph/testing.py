@@ -81,32 +81,36 @@ def _check_grads(fn, args, order, eps, rtol, atol, seed):
         outs = [o for o in jax.tree.leaves(fn(*rebuild(xs))) if _is_float(o)]
         return _vdot(w, [o.astype(jnp.float64) for o in outs])
 
-    for level in range(1, order + 1):
-        u = _random_like(rng, [x.shape for x in floats])
+    levels = []  # (scalar function, its jgraph gradient, direction), one per order
+    for _ in range(order):
         grad = _jgraph_grad(scalar, floats)
-        analytic, numeric = _probe(grad, scalar, floats, u, eps)
+        levels.append((scalar, grad, _random_like(rng, [x.shape for x in floats])))
+        # next order: jgraph's gradient of <grad(x), v>, built by jgraph from grad's own graph
+        scalar = _directional(grad, _random_like(rng, [x.shape for x in floats]))
+    results = _probe(levels, floats, eps)
+    for level, (analytic, numeric) in enumerate(results, start=1):
         if not np.isclose(analytic, numeric, rtol=rtol, atol=atol):
             raise AssertionError(
                 f"check_grads: order-{level} derivative of {getattr(fn, '__name__', fn)!r} along "
                 f"a random direction: jgraph gives {analytic!r}, central finite differences "
                 f"(eps={eps}) give {numeric!r} (rtol={rtol}, atol={atol})")
-        if level < order:  # next level: differentiate <grad(x), v> with jgraph again
-            scalar = _directional(grad, _random_like(rng, [x.shape for x in floats]))
 
 
-def _probe(grad, scalar, xs, u, eps):
-    """(<grad(x), u>, central difference of scalar along u), in one compiled call."""
+def _probe(levels, xs, eps):
+    """Per level, (<grad(x), u>, central difference of scalar along u): one compiled call."""
 
     @jax.jit
-    def probe(xs, u):
-        plus = scalar([x + eps * d for x, d in zip(xs, u, strict=True)])
-        minus = scalar([x - eps * d for x, d in zip(xs, u, strict=True)])
-        return _vdot(grad(xs), u), (plus - minus) / (2 * eps)
+    def probe(xs):
+        out = []
+        for scalar, grad, u in levels:
+            plus = scalar([x + eps * d for x, d in zip(xs, u, strict=True)])
+            minus = scalar([x - eps * d for x, d in zip(xs, u, strict=True)])
+            out.append((_vdot(grad(xs), u), (plus - minus) / (2 * eps)))
+        return out
 
     # A check runs once: a quick compile matters more than fast code.
-    compiled = probe.lower(xs, u).compile(compiler_options=_QUICK_COMPILE)
-    analytic, numeric = compiled(xs, u)
-    return float(analytic), float(numeric)
+    compiled = probe.lower(xs).compile(compiler_options=_QUICK_COMPILE)
+    return [(float(a), float(n)) for a, n in compiled(xs)]
 
 
 def _directional(grad, v):

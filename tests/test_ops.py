@@ -183,33 +183,50 @@ def _vjp_loss(fn):
     return lambda xs, ct: jnp.sum(fn(*xs) * ct)
 
 
-def _check_row(spec, shapes=None, seed=0):
+def _check_row(spec, shapes=None, seed=0, finite_differences=False):
+    """Forward vs jnp and jg.backward vs jax.vjp in float32; with `finite_differences`, also
+    jgraph's float64 gradient along a random direction vs central differences. One compile."""
     xs = _args(spec, np.float32, seed, shapes)
     y = jax.eval_shape(spec.fn, *xs)
-    ct = np.random.default_rng(seed + 1).standard_normal(y.shape).astype(y.dtype)
+    rng = np.random.default_rng(seed + 1)
+    ct = rng.standard_normal(y.shape).astype(y.dtype)
     g = jg.trace(_vjp_loss(spec.fn), xs, ct, param_argnums=0)
     assert spec.op in {e.op for e in g.eqns}, f"{spec.op} not in the traced graph"
     gb = jg.backward(g)
     jg.check(gb)
-    # forward vs jnp, jg.backward vs jax.vjp: one compiled call for both.
-    both = jax.jit(lambda xs, ct: (as_function(gb)(xs, ct), jax.vjp(spec.fn, *xs)[1](ct),
-                                   jnp.sum(spec.fn(*xs) * ct)))
-    (value, grads), vjp_ref, value_ref = both.lower(xs, ct).compile(QUICK)(xs, ct)
+    xs64 = _args(spec, np.float64, seed + 2, shapes)
+    u = [rng.standard_normal(x.shape) for x in xs64]
+    gb64 = jg.backward(jg.trace(_vjp_loss(spec.fn), xs64, ct.astype(np.float64),
+                                param_argnums=0))
+    eps = 1e-4
+
+    def row(xs, ct, xs64, u):
+        ours, theirs = as_function(gb)(xs, ct), jax.vjp(spec.fn, *xs)[1](ct)
+        if not finite_differences:
+            return ours, theirs, jnp.sum(spec.fn(*xs) * ct), 0.0, 0.0
+        loss64 = _vjp_loss(spec.fn)
+        plus = loss64([x + eps * d for x, d in zip(xs64, u, strict=True)], ct.astype(jnp.float64))
+        minus = loss64([x - eps * d for x, d in zip(xs64, u, strict=True)], ct.astype(jnp.float64))
+        grads64 = as_function(gb64)(xs64, ct.astype(jnp.float64))[1]
+        directional = sum(jnp.vdot(a, d) for a, d in zip(grads64, u, strict=True))
+        return ours, theirs, jnp.sum(spec.fn(*xs) * ct), directional, (plus - minus) / (2 * eps)
+
+    compiled = jax.jit(row).lower(xs, ct, xs64, u).compile(QUICK)
+    (value, grads), vjp_ref, value_ref, directional, numeric = compiled(xs, ct, xs64, u)
     np.testing.assert_allclose(value, value_ref, rtol=1e-5)  # sums may reassociate
     for got, want in zip(grads, vjp_ref, strict=True):
         np.testing.assert_allclose(got, want, rtol=spec.rtol, atol=spec.rtol)
-
-
-def _fd_row(spec):
-    """jgraph's f64 gradient vs central differences along a random direction."""
-    xs = _args(spec, np.float64, seed=3)
-    jg.testing.check_grads(spec.fn, xs, order=1, rtol=spec.fd_rtol, atol=spec.fd_rtol / 10)
+    np.testing.assert_allclose(directional, numeric, rtol=spec.fd_rtol, atol=spec.fd_rtol / 10)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_row_id)
 def test_op_row(spec):
-    _check_row(spec)
-    _fd_row(spec)
+    _check_row(spec, finite_differences=True)
+
+
+def test_check_grads_on_op_rows():
+    for spec in (SPECS[0], SPECS[-1]):  # jg.testing.check_grads itself, on a plain and a custom op
+        jg.testing.check_grads(spec.fn, _args(spec, np.float64, seed=3), order=2)
 
 
 _VARYING = [s for s in SPECS if "shapes" in s.tags]
