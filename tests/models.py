@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -26,21 +27,32 @@ from jax.ad_checkpoint import checkpoint_name
 class ModelSpec:
     name: str  # stable identifier, used as the pytest id
     fn: Callable  # the loss function: returns a scalar (or (scalar, aux) with has_aux)
-    make_args: Callable[[jax.Array, Any], tuple]  # (PRNG key, float dtype) -> positional args
+    make_args: Callable[[np.random.Generator, Any], tuple]  # (rng, float dtype) -> args
     param_argnums: int | tuple[int, ...] = 0  # the arguments whose leaves are params
     has_aux: bool = False  # fn returns (loss, aux)
     note: str = ""  # what the model exercises
 
     def args(self, seed: int = 0, dtype=jnp.float32) -> tuple:
-        return self.make_args(jax.random.PRNGKey(seed), jnp.dtype(dtype))
+        return self.make_args(np.random.default_rng(seed), jnp.dtype(dtype))
 
 
-def _normal(key, shape, dtype, scale=1.0):
-    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+# Example values come from numpy and are put on the device as they are: making them with
+# jax.random would compile a kernel per shape, which dominates the time of the tests.
+def _split(rng, n=2):
+    return rng.spawn(n)
+
+
+def _normal(rng, shape, dtype, scale=1.0, shift=0.0):
+    value = shift + scale * rng.standard_normal(shape, dtype=np.float32)
+    return jnp.asarray(value.astype(dtype))
+
+
+def _randint(rng, shape, low, high):
+    return jnp.asarray(rng.integers(low, high, shape, dtype=np.int32))
 
 
 def _dense(key, n_in, n_out, dtype):
-    kw, kb = jax.random.split(key)
+    kw, kb = _split(key)
     return {"w": _normal(kw, (n_in, n_out), dtype, n_in**-0.5),
             "b": _normal(kb, (n_out,), dtype, 0.1)}
 
@@ -58,7 +70,7 @@ def mlp(params, x):
 
 
 def _mlp_args(key, dtype, widths=(5, 8, 8, 3), batch=4):
-    keys = jax.random.split(key, len(widths))
+    keys = _split(key, len(widths))
     shapes = zip(widths[:-1], widths[1:], strict=True)
     params = [_dense(k, a, b, dtype) for k, (a, b) in zip(keys, shapes, strict=False)]
     return params, _normal(keys[-1], (batch, widths[0]), dtype)
@@ -72,7 +84,7 @@ def residual_mlp(params, x):
 
 
 def _residual_args(key, dtype, width=6, hidden=10, blocks=3, batch=4):
-    keys = jax.random.split(key, 2 * blocks + 1)
+    keys = _split(key, 2 * blocks + 1)
     params = [{"in": _dense(keys[2 * i], width, hidden, dtype),
                "out": _dense(keys[2 * i + 1], hidden, width, dtype)} for i in range(blocks)]
     return params, _normal(keys[-1], (batch, width), dtype)
@@ -86,8 +98,8 @@ def _layer_norm(p, x, eps=1e-5):
 
 
 def _ln_params(key, width, dtype):
-    ks, kb = jax.random.split(key)
-    return {"scale": 1.0 + _normal(ks, (width,), dtype, 0.1),
+    ks, kb = _split(key)
+    return {"scale": _normal(ks, (width,), dtype, 0.1, shift=1.0),
             "bias": _normal(kb, (width,), dtype, 0.1)}
 
 
@@ -96,7 +108,7 @@ def layer_norm(p, x):
 
 
 def _layer_norm_args(key, dtype):
-    kp, kx = jax.random.split(key)
+    kp, kx = _split(key)
     return _ln_params(kp, 6, dtype), _normal(kx, (3, 6), dtype)
 
 
@@ -115,7 +127,7 @@ def _causal_attention(p, x, heads=2):
 
 
 def _attention_params(key, d, dtype):
-    kq, kp = jax.random.split(key)
+    kq, kp = _split(key)
     return {"qkv": _normal(kq, (d, 3 * d), dtype, d**-0.5),
             "proj": _normal(kp, (d, d), dtype, d**-0.5)}
 
@@ -125,7 +137,7 @@ def causal_attention(p, x):
 
 
 def _attention_args(key, dtype, batch=2, t=4, d=8):
-    kp, kx = jax.random.split(key)
+    kp, kx = _split(key)
     return _attention_params(kp, d, dtype), _normal(kx, (batch, t, d), dtype)
 
 
@@ -136,7 +148,7 @@ def _block(p, x):
 
 
 def _block_params(key, d, dtype):
-    k = jax.random.split(key, 5)
+    k = _split(key, 5)
     return {"ln1": _ln_params(k[0], d, dtype), "attn": _attention_params(k[1], d, dtype),
             "ln2": _ln_params(k[2], d, dtype), "fc": _dense(k[3], d, 2 * d, dtype),
             "out": _dense(k[4], 2 * d, d, dtype)}
@@ -148,7 +160,7 @@ def transformer_block(p, x, y):
 
 
 def _transformer_args(key, dtype, batch=2, t=4, d=8):
-    kp, kx, ky = jax.random.split(key, 3)
+    kp, kx, ky = _split(key, 3)
     return (_block_params(kp, d, dtype), _normal(kx, (batch, t, d), dtype),
             _normal(ky, (batch, t, d), dtype))
 
@@ -176,10 +188,10 @@ def cnn_pool_reshape(p, x, labels):
 
 
 def _cnn_args(key, dtype, head_in):
-    k = jax.random.split(key, 5)
+    k = _split(key, 5)
     p = {"conv": _normal(k[0], (3, 3, 2, 4), dtype, 0.3), "b": _normal(k[1], (4,), dtype, 0.1),
          "head": _normal(k[2], (head_in, 3), dtype, 0.3)}
-    return p, _normal(k[3], (2, 6, 6, 2), dtype), jax.random.randint(k[4], (2,), 0, 3, jnp.int32)
+    return p, _normal(k[3], (2, 6, 6, 2), dtype), _randint(k[4], (2,), 0, 3)
 
 
 # -- embeddings and losses -------------------------------------------------------------------------
@@ -190,10 +202,10 @@ def embedding(p, tokens, targets):
 
 
 def _embedding_args(key, dtype, vocab=7, d=5):
-    k = jax.random.split(key, 3)
+    k = _split(key, 3)
     return ({"embed": _normal(k[0], (vocab, d), dtype)},
-            jax.random.randint(k[1], (2, 3), 0, vocab, jnp.int32),
-            jax.random.randint(k[2], (2, 3), 0, vocab, jnp.int32))
+            _randint(k[1], (2, 3), 0, vocab),
+            _randint(k[2], (2, 3), 0, vocab))
 
 
 def xent_optax(p, x, labels):
@@ -216,9 +228,9 @@ def one_hot_xent(p, x, labels):
 
 
 def _classifier_args(key, dtype, n_in=5, classes=4, batch=6):
-    k = jax.random.split(key, 3)
+    k = _split(key, 3)
     return (_dense(k[0], n_in, classes, dtype), _normal(k[1], (batch, n_in), dtype),
-            jax.random.randint(k[2], (batch,), 0, classes, jnp.int32))
+            _randint(k[2], (batch,), 0, classes))
 
 
 def logsumexp_model(p, x):
@@ -226,7 +238,7 @@ def logsumexp_model(p, x):
 
 
 def _small_dense_args(key, dtype, n_in=5, n_out=4, batch=3):
-    kp, kx = jax.random.split(key)
+    kp, kx = _split(key)
     return _dense(kp, n_in, n_out, dtype), _normal(kx, (batch, n_in), dtype)
 
 
@@ -246,7 +258,7 @@ def dropout(p, x, key):
 
 def _dropout_args(key, dtype):
     p, x = _small_dense_args(key, dtype)
-    return p, x, jax.random.PRNGKey(17)
+    return p, x, jnp.asarray(np.array([0, 17], np.uint32))  # == jax.random.PRNGKey(17)
 
 
 def _tanh_layer(p, h):
@@ -297,11 +309,11 @@ def pytree_params(params, batch):
 
 
 def _pytree_args(key, dtype, d=4, batch=3):
-    k = jax.random.split(key, 7)
+    k = _split(key, 7)
     params = {"affine": Affine(_normal(k[0], (d, d), dtype, 0.5), _normal(k[1], (d,), dtype, 0.1)),
               "stack": [_normal(k[2], (d, d), dtype, 0.5), _normal(k[3], (d, d), dtype, 0.5)],
               "scale": Scale(_normal(k[4], (d,), dtype), _normal(k[5], (d,), dtype))}
-    kx, ky = jax.random.split(k[6])
+    kx, ky = _split(k[6])
     return params, {"x": _normal(kx, (batch, d), dtype), "y": _normal(ky, (batch, d), dtype)}
 
 
@@ -317,7 +329,7 @@ def scan_layers(p, x):
 
 
 def _scan_args(key, dtype, layers=3, d=4, batch=2):
-    k = jax.random.split(key, 3)
+    k = _split(key, 3)
     return ({"ws": _normal(k[0], (layers, d, d), dtype, 0.5), "b": _normal(k[1], (d,), dtype, 0.1)},
             _normal(k[2], (batch, d), dtype))
 
