@@ -304,3 +304,14 @@ def test_printed_training_graph():
     go = jg.optimizer_step(jg.accumulate(gb, period=3, loss="sum"), optax.sgd(0.5))
     assert str(go) == GOLDEN_SGD_STEP
     assert str(jg.reset(go)).endswith("in ( 0:i32[]@new_counter b@new_accumulator ) }")
+
+
+def test_static_steps_donate_state_buffers():
+    opt = jg.Optimizer(mlp, ADAM, loss="cross_entropy", period=2)
+    s0 = opt.init(copy(init_params()), X[:8], Y[:8])
+    s1, _ = opt.step(s0, X[:8], Y[:8])  # grad graph: only the accumulators are donated
+    assert all(a.is_deleted() for a in jax.tree.leaves(s0.grad_acc))
+    assert not any(a.is_deleted() for a in jax.tree.leaves(s0.params))
+    s2, _ = opt.step(s1, X[:8], Y[:8])  # opt graph: params, accumulators, optimizer state
+    assert all(a.is_deleted() for a in jax.tree.leaves((s1.params, s1.grad_acc, s1.opt_state)))
+    assert not any(a.is_deleted() for a in jax.tree.leaves(s2[:3]))  # (the counter is host)
