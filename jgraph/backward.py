@@ -111,7 +111,8 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
             continue
         b.source = eqn.source
         out_cts = [cts.pop(v, None) for v in eqn.outputs]
-        for ct, x in zip(vjp.apply_rule(b, eqn, out_cts), eqn.inputs, strict=True):
+        needed = [type(x) is Var and x in needs for x in eqn.inputs]
+        for ct, x in zip(vjp.apply_rule(b, eqn, out_cts, needed), eqn.inputs, strict=True):
             if ct is not None and type(x) is Var and x in needs:
                 add_ct(x, ct)
 

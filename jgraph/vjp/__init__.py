@@ -56,8 +56,12 @@ def unbroadcast(ct, x):
     return ct.sum(axis=dims).reshape(x.shape)
 
 
-def apply_rule(b, eqn, out_cts):
-    """Emit the eqns of `eqn`'s VJP rule; return one cotangent atom (or None) per input."""
+def apply_rule(b, eqn, out_cts, needed=None):
+    """Emit the eqns of `eqn`'s VJP rule; return one cotangent atom (or None) per input.
+
+    `needed` (one bool per input) says which cotangents the caller will use; the others are
+    returned as None and their eqns are not emitted.
+    """
     rule = vjp_rules.get(eqn.op)
     if rule is None:
         if eqn.op in NON_DIFFERENTIABLE or not any(is_float(v.aval) for v in eqn.outputs):
@@ -72,17 +76,19 @@ def apply_rule(b, eqn, out_cts):
     for k, ct in enumerate(cts):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
             cts[k] = emit(b, jnp.zeros_like, eqn.outputs[k])[0]
+    needed = (True,) * n_in if needed is None else tuple(needed)
     outs = emit(b, _run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
-                  params=_freeze(eqn.params))
+                params=_freeze(eqn.params), needed=needed)
     return outs + [None] * (n_in - len(outs))
 
 
-def _run_rule(*arrays, rule, n_in, n_out, params):
+def _run_rule(*arrays, rule, n_in, n_out, params, needed):
     ins, outs, cts = arrays[:n_in], arrays[n_in:n_in + n_out], arrays[n_in + n_out:]
     result = list(rule(cts, ins, outs, **dict(params)))
-    # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said.
-    return [None if ct is None or not jnp.issubdtype(x.dtype, jnp.inexact) else ct
-            for ct, x in zip(result, ins, strict=False)]
+    # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said, and
+    # so are those the caller does not need (emit's template drops the eqns computing them).
+    return [None if ct is None or not use or not jnp.issubdtype(x.dtype, jnp.inexact) else ct
+            for ct, x, use in zip(result, ins, needed, strict=False)]
 
 
 def _freeze(params):

@@ -4,6 +4,7 @@ A rule is traced and inlined once per (function, static params, input avals) int
 list of its eqns with operands given as positions (an input, or an earlier eqn's output) or
 literals. Emitting it again only creates fresh variables and eqns, with no tracing and no shape
 inference, so a backward pass costs a few microseconds per eqn (linear in the graph's size).
+Eqns of the traced function that no output depends on are dropped from the template.
 Emitted eqns carry the builder's tags, regions and source (the user's line of the forward eqn).
 """
 
@@ -42,9 +43,20 @@ def _template(fn, static_items, avals):
         return a if isinstance(a, Literal) else position[a]
 
     steps = []
-    for eqn in scratch.eqns:
+    for eqn in _live(scratch.eqns, outs):
         steps.append((eqn.op, tuple(ref(a) for a in eqn.inputs), eqn.params,
                       tuple(v.aval for v in eqn.outputs)))
         for v in eqn.outputs:
             position[v] = len(position)
     return tuple(steps), tuple(None if o is None else ref(o) for o in outs)
+
+
+def _live(eqns, outs):
+    """The eqns some output depends on (the traced rule may compute cotangents nobody reads)."""
+    live = {o for o in outs if isinstance(o, Var)}
+    kept = []
+    for eqn in reversed(eqns):
+        if any(v in live for v in eqn.outputs):
+            kept.append(eqn)
+            live.update(a for a in eqn.inputs if isinstance(a, Var))
+    return reversed(kept)
