@@ -59,20 +59,8 @@ def _loss_only(spec):
     return (lambda *a: spec.fn(*a)[0]) if spec.has_aux else spec.fn
 
 
-# Their second-order graphs take XLA long to compile: order 2 in the slow suite, order 1 here.
-HEAVY = {"transformer_block", "cnn_pool_window"}
-
-
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
-def test_corpus_check_grads_float64(spec):
-    order = 1 if spec.name in HEAVY else 2
-    jg.testing.check_grads(_loss_only(spec), spec.args(seed=1, dtype=jnp.float64), order=order)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(HEAVY))
-def test_corpus_check_grads_order2_heavy(name):
-    spec = BY_NAME[name]
+def test_corpus_check_grads_order2_float64(spec):
     jg.testing.check_grads(_loss_only(spec), spec.args(seed=1, dtype=jnp.float64), order=2)
 
 
