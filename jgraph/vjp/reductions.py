@@ -15,6 +15,7 @@ from jax import lax
 from jax._src.interpreters import ad
 from jax._src.lax import windowed_reductions as wr
 
+from jgraph.errors import TransformError
 from jgraph.vjp import defvjp
 
 
@@ -87,8 +88,8 @@ defvjp("reduce_window_sum", _reduce_window_sum_vjp)
 def _reduce_window_chooser_vjp(select_prim, cts, ins, outs, *, window_dimensions, window_strides,
                                padding, base_dilation, window_dilation):
     (ct,), (x,) = cts, ins
-    if any(d != 1 for d in (*base_dilation, *window_dilation)):
-        raise NotImplementedError("VJP of a dilated windowed max/min")
+    if any(d != 1 for d in (*base_dilation, *window_dilation)):  # as in JAX
+        raise TransformError("no VJP rule for a windowed max/min with dilation")
     return [wr._select_and_scatter_add(ct, x, select_prim, window_dimensions, window_strides,
                                        padding)]
 
