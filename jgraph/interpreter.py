@@ -8,6 +8,7 @@ op's lowering eagerly, `jgraph.lower` runs the same loop under `jax.jit`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jgraph import ops
@@ -52,7 +53,8 @@ class Interpreter:
             for a in eqn.inputs:  # free values after their last use
                 if isinstance(a, Var) and last.get(a) == i:
                     env.pop(a, None)
-        return [read(a) for a in graph.outputs]
+        return [jnp.asarray(a.value, a.aval.dtype) if isinstance(a, Literal) else env[a]
+                for a in graph.outputs]  # a constant output is an array, as under jax.jit
 
     def eval_eqn(self, eqn, values):
         try:

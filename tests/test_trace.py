@@ -299,3 +299,16 @@ def test_builder_call_stamps_the_builders_source_and_tags():
     (y,) = b.call(jax.nn.gelu, x)  # gelu is a nested jit: its eqns are inlined too
     assert len(b.eqns) > 3 and b.eqns[-1].outputs == (y,)
     assert {(e.source, e.tags) for e in b.eqns} == {("user.py:7:1 (loss)", frozenset({"backward"}))}
+
+
+def test_outputs_may_be_inputs_or_constants():
+    def f(x):
+        return x, 1.5, jnp.zeros(2, f32)
+
+    g = jg.check(jg.trace(f, jnp.ones(3, f32)))
+    assert g.outputs[0] is g.inputs[0] and isinstance(g.outputs[1], jg.Literal)
+    x = jnp.arange(3, dtype=f32)
+    want = jax.jit(f)(x)
+    for got in (jg.compile(g)(x), jg.evaluate(g, x)):
+        assert_tree_equal(got, want)
+        assert got[1].dtype == want[1].dtype and got[1].shape == ()
