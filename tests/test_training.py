@@ -188,7 +188,7 @@ def deep_mlp(p, x):
     return x @ p[-1]
 
 
-def _period_temp(period, micro=64, width=64, depth=3):
+def _period_temp(period, micro=16, width=64, depth=3):
     opt = jg.Optimizer(deep_mlp, optax.adam(1e-3), loss="cross_entropy", period=period)
     keys = jax.random.split(jax.random.PRNGKey(0), depth + 1)
     dims = [64] + [width] * depth + [10]
@@ -198,16 +198,27 @@ def _period_temp(period, micro=64, width=64, depth=3):
     state = opt.init(params, x, y)
     xs, ys = np.stack([x] * period), np.stack([y] * period)
     fn = opt.period_function(xs, ys)
-    stats = fn.lower(state.params, state.grad_acc, state.opt_state, xs, ys).compile() \
-        .memory_analysis()
+    compiled = fn.lower(state.params, state.grad_acc, state.opt_state, xs, ys).compile()
+    stats = compiled.memory_analysis()
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves((state.params, state.grad_acc,
+                                                         state.opt_state)))
+    assert stats.alias_size_in_bytes == state_bytes  # every state buffer is donated and reused
+    state_shapes = {f"f32[{','.join(map(str, np.shape(a)))}]" for a in jax.tree.leaves(params)}
+    copies = [line for line in compiled.as_text().splitlines()
+              if " copy(" in line and line.split("=")[1].split("{")[0].strip() in state_shapes]
+    # From period 2 on, XLA copies no state buffer into place. (At period 1, XLA's CPU copy
+    # insertion copies the params the backward pass reads before updating them in place.)
+    assert period == 1 or not copies, copies[:3]
     footprint = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
     return stats.temp_size_in_bytes, footprint
 
 
 def test_step_period_temp_is_independent_of_the_period():
-    (t1, _), (t2, f2), (t16, f16) = _period_temp(1), _period_temp(2), _period_temp(16)
-    assert t16 <= 1.05 * t1, (t1, t16)  # the bar, on donated temp
-    # Temp plus fresh (not aliased) outputs does not grow with the period either.
+    (t1, f1), (t2, f2), (t16, f16) = _period_temp(1), _period_temp(2), _period_temp(16)
+    # The bar, with params, accumulators and optimizer state donated at every period, on temp
+    # and on temp plus fresh (not aliased) outputs. (The micro-batch is small next to the
+    # weights, as in training: the scan's slice of the input stack is one micro-batch of temp.)
+    assert t16 <= 1.05 * t1 and f16 <= 1.05 * f1, (t1, t16, f1, f16)
     assert t16 <= 1.05 * t2 and f16 <= 1.05 * f2, (t2, t16, f2, f16)
 
 

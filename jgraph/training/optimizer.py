@@ -278,15 +278,17 @@ class Optimizer:
                               f"got leading sizes {sorted(lead)}")
         run = self.period_function(inputs_stack, labels_stack)
         ys = labels_stack if self.needs_labels else None
-        params, opt_state, acc, value = run(state.params, state.grad_acc, state.opt_state,
+        params, acc, opt_state, value = run(state.params, state.grad_acc, state.opt_state,
                                             inputs_stack, ys)
         return TrainState(params, opt_state, acc, np.int32(0)), self._output(
             value, self._last, self.period)
 
     def period_function(self, inputs_stack, labels_stack=None):
         """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack) -> (params,
-        opt_state, grad_acc, stacked outputs)` behind `step_period` (`.lower(...)` it to read
-        XLA's memory figures)."""
+        grad_acc, opt_state, stacked outputs)` behind `step_period` (`.lower(...)` it to read
+        XLA's memory figures). All three state parts are donated (static mode); the outputs come
+        in the order of the inputs, because jax pairs donated buffers with outputs of the same
+        shape in order: any other order makes XLA copy every state buffer into its place."""
         index = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731 - one example batch
         build = self._for(index(inputs_stack), None if labels_stack is None else
                           index(labels_stack))
@@ -310,7 +312,7 @@ class Optimizer:
         def run(params, acc, opt_state, xs, ys):
             if period == 1:
                 value, _, params, opt_state = opt_f(params, *data(xs, ys, 0), opt_state)
-                return params, opt_state, acc, jax.tree.map(lambda v: v[None], value)
+                return params, acc, opt_state, jax.tree.map(lambda v: v[None], value)
 
             def body(carry, batch):
                 acc, counter = carry
@@ -320,12 +322,9 @@ class Optimizer:
             batches = (xs, ys) if labelled else (xs,)
             (acc, _), values = lax.scan(body, (acc, jnp.int32(0)), batches)
             acc, params, opt_state = update_f(params, acc, opt_state)
-            return params, opt_state, acc, values
+            return params, acc, opt_state, values
 
-        # Params are donated only at period 1: in a loop that reads them every micro-step, XLA
-        # keeps a copy of donated params in temp, which costs more than a fresh output buffer.
-        donate = ((0, 1, 2) if period == 1 else (1, 2)) if self.static else ()
-        return jax.jit(run, donate_argnums=donate)
+        return jax.jit(run, donate_argnums=(0, 1, 2) if self.static else ())
 
     # -- saving -----------------------------------------------------------------------------------
     def save(self, state: TrainState, path, dataset=None, extra=None) -> None:
