@@ -5,7 +5,7 @@ VJP rules (`backward`), rematerialize, accumulate and step as graph -> graph tra
 result through XLA (`compile`).
 """
 
-from jgraph import policies, testing  # noqa: E402  (jg.testing.check_grads)
+from jgraph import policies, testing
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
@@ -17,8 +17,17 @@ from jgraph.memory import compiled_memory, memory
 from jgraph.remat import remat
 from jgraph.to_jax import to_jax
 from jgraph.trace import trace
-from jgraph.training import (Dataset, Optimizer, Result, accumulate, epoch, fit, optimizer_step,
-                             reset)
+from jgraph.training import (
+                             Dataset,
+                             Optimizer,
+                             Result,
+                             accumulate,
+                             epoch,
+                             first_micro_step,
+                             fit,
+                             optimizer_step,
+                             reset,
+)
 
 __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
@@ -26,5 +35,6 @@ __all__ = [
     "testing", "to_jax",
     "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
+    "first_micro_step",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Every error jgraph raises is a `JGraphError`; the subclasses say which stage found the problem."""
+"""Every error jgraph raises is a `JGraphError`; subclasses say which stage found the problem."""
 
 
 class JGraphError(Exception):

@@ -1,4 +1,4 @@
-"""Test configuration: float64 available, hypothesis profiles (`ci` small by default, `full` opt-in)."""
+"""Test configuration: float64 on, hypothesis profiles (`ci` small by default, `full` opt-in)."""
 
 import os
 

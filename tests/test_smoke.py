@@ -22,5 +22,5 @@ def test_forward_and_backward_match_jax():
     got = jg.compile(gb)(P, X)
     want = jax.value_and_grad(mlp)(P, X)
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
