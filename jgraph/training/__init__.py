@@ -6,11 +6,11 @@ from jgraph.training.dataset import Dataset
 from jgraph.training.fit import History, epoch, fit
 from jgraph.training.optimizer import Optimizer, StepOutput, TrainState
 from jgraph.training.optimizer_step import optimizer_step
-from jgraph.training.reset import reset
+from jgraph.training.reset import first_micro_step, reset
 from jgraph.training.result import Result
 from jgraph.training.state_io import StateFileError
 
 __all__ = [
     "Dataset", "History", "Optimizer", "Result", "StateFileError", "StepOutput", "TrainState",
-    "accumulate", "epoch", "fit", "optimizer_step", "reset",
+    "accumulate", "epoch", "first_micro_step", "fit", "optimizer_step", "reset",
 ]

@@ -7,16 +7,27 @@ returns a dict with the parts the training graph has: `grad_acc`, `opt_state`, `
 `loss_seed`. (Zeroing the accumulators at the start of each period happens inside the micro-step
 graph, see `jgraph.training.accumulate`; this graph builds the initial state and serves
 `Optimizer.reset`.)
+
+`first_micro_step(g)` specialises a micro-step graph (from `accumulate`, possibly with an optimizer
+step) to the first micro-step of a period, where the accumulators are known to be zero: the
+counter input is replaced by 0, scalar constants are folded, selects on a known predicate pick
+their operand, and dead eqns are dropped, so no eqn reads an accumulator. The signature is kept
+(accumulator and counter inputs stay, unread); the results equal `g`'s at counter 0, bitwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jgraph import ops
 from jgraph.builder import Builder
 from jgraph.errors import TransformError
-from jgraph.ir import Graph, Var
+from jgraph.ir import Graph, Literal, Var
+from jgraph.passes import dce
 from jgraph.training.graphs import LEAF, grad_params, grads_tree
 
 
@@ -73,3 +84,42 @@ def reset(graph: Graph) -> Graph:
         param_argnums=0,
         info={"grads_tree": tree, "resets": tuple(names)},
     )
+
+
+def _constant(atom, known):
+    """The value of an atom that is one value everywhere (scalar literal, broadcast), or None."""
+    if isinstance(atom, Literal):
+        value = np.asarray(atom.value)
+        return value.reshape(()) if value.size == 1 else None
+    return known.get(atom)
+
+
+def first_micro_step(graph: Graph) -> Graph:
+    """`graph` specialised to counter 0: the first micro-step of a period reads no accumulator."""
+    counters = graph.inputs_with_role("counter")
+    if len(counters) != 1 or "accumulator" not in graph.input_roles:
+        raise TransformError("first_micro_step: the graph needs accumulator inputs and one counter "
+                             "input (build it with jg.accumulate)")
+    (counter,) = counters
+    zero = np.zeros((), counter.aval.dtype)
+    subst: dict[Var, object] = {counter: Literal(zero, counter.aval)}
+    known: dict[Var, np.ndarray] = {}  # vars holding one value everywhere
+    eqns = []
+    for eqn in graph.eqns:
+        inputs = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in eqn.inputs)
+        values = [_constant(a, known) for a in inputs]
+        if eqn.op == "select_n" and values[0] is not None:  # a known predicate picks a case
+            subst[eqn.outputs[0]] = inputs[1 + int(values[0])]
+            continue
+        if (all(v is not None for v in values) and len(eqn.outputs) == 1
+                and eqn.outputs[0].aval.shape == ()):  # fold a scalar computation
+            out = eqn.outputs[0]
+            value = np.asarray(ops.lowerings[eqn.op](*values, **eqn.params)[0], out.aval.dtype)
+            subst[out] = Literal(value, out.aval)
+            continue
+        if eqn.op == "broadcast_in_dim" and values[0] is not None:
+            known[eqn.outputs[0]] = values[0]
+        eqns.append(dataclasses.replace(eqn, inputs=inputs) if inputs != eqn.inputs else eqn)
+    outputs = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in graph.outputs)
+    return dce(graph.replace(eqns=tuple(eqns), outputs=outputs,
+                             info={**graph.info, "first_micro_step": True}))
