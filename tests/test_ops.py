@@ -54,6 +54,38 @@ def _grouped_conv(x, w):
                                     feature_group_count=2)
 
 
+def _conv_with(**params):
+    return lambda x, w: lax.conv_general_dilated(x, w, **params)
+
+
+# Convolutions over the rule's padding/dilation algebra: layouts, ranks, strides, (negative)
+# padding, both dilations, feature and batch groups.
+_CONVS = [
+    (_conv_with(window_strides=(2, 1), padding=((1, 2), (0, 1)), lhs_dilation=(1, 2),
+                rhs_dilation=(2, 1)), ((2, 3, 7, 6), (4, 3, 3, 2))),
+    (_conv_with(window_strides=(3,), padding="VALID", rhs_dilation=(2,),
+                dimension_numbers=("NWC", "WIO", "NWC")), ((2, 11, 3), (3, 3, 2))),
+    (_conv_with(window_strides=(3,), padding=((0, 4),), dimension_numbers=("NCW", "OIW", "NCW")),
+     ((1, 2, 7), (3, 2, 2))),  # the strides skip the last padded elements
+    (_conv_with(window_strides=(1, 2, 1), padding="SAME", feature_group_count=2,
+                dimension_numbers=("NDHWC", "DHWIO", "NDHWC")), ((1, 4, 5, 3, 4), (2, 2, 2, 2, 6))),
+    (_conv_with(window_strides=(1, 1), padding=((-1, 2), (1, -1)),
+                dimension_numbers=("NHWC", "OIHW", "NCHW")), ((2, 6, 5, 3), (4, 3, 2, 2))),
+    (_conv_with(window_strides=(2, 3), padding=((1, 0), (0, 2)), lhs_dilation=(2, 2),
+                rhs_dilation=(1, 2), feature_group_count=3,
+                dimension_numbers=("NCHW", "HWIO", "NHWC")), ((2, 6, 4, 5), (2, 2, 2, 6))),
+    (_conv_with(window_strides=(2, 2), padding=((1, 1), (0, 1)), batch_group_count=2),
+     ((4, 3, 5, 5), (4, 3, 3, 3))),
+    (_conv_with(window_strides=(1, 2), padding=((2, 0), (1, 1)), lhs_dilation=(2, 1),
+                batch_group_count=3, dimension_numbers=("NHWC", "HWIO", "NHWC")),
+     ((6, 4, 5, 2), (2, 3, 2, 6))),
+]
+
+
+def _window_sum(*args, **params):
+    return lambda x: lax.reduce_window(x, 0.0, lax.add, *args, **params)
+
+
 @jax.custom_vjp
 def _scaled_sin(x):  # a custom_vjp whose bwd is the true derivative
     return jnp.sin(x)
@@ -139,6 +171,7 @@ SPECS = [
     OpSpec("dot_general", lambda x, y: jnp.einsum("ijb,kbj->bik", x, y), ((3, 4, 2), (5, 2, 4))),
     OpSpec("conv_general_dilated", _conv, ((2, 5, 6, 3), (3, 3, 3, 4))),
     OpSpec("conv_general_dilated", _grouped_conv, ((1, 4, 5, 6), (6, 2, 2, 3))),
+    *(OpSpec("conv_general_dilated", fn, shapes) for fn, shapes in _CONVS),
     # indexing
     OpSpec("gather", lambda x: x[_IDX]),
     OpSpec("gather", lambda x: jnp.take_along_axis(x, jnp.array([[0], [3], [1]]), 1)),
@@ -164,6 +197,11 @@ SPECS = [
                                                             (1, 1), "SAME")),
     OpSpec("reduce_window_sum", lambda x: lax.reduce_window(x, 0.0, lax.add, (2, 2), (2, 1),
                                                             ((1, 0), (0, 1)))),
+    OpSpec("reduce_window_sum", _window_sum((3,), (2,), ((1, 3),), base_dilation=(2,),
+                                            window_dilation=(2,)), ((7,),)),
+    OpSpec("reduce_window_sum", _window_sum((2, 1, 3), (1, 2, 2), "SAME"), ((3, 5, 6),)),
+    OpSpec("reduce_window_sum", _window_sum((2, 2), (3, 1), ((-1, 2), (2, -1)),
+                                            window_dilation=(1, 2)), ((7, 6),)),
     OpSpec("sort", lambda x: jnp.sort(x, 1)),
     OpSpec("top_k", lambda x: lax.top_k(x, 2)[0]),
     OpSpec("custom_vjp_call", _scaled_sin),
@@ -222,6 +260,22 @@ def _check_row(spec, shapes=None, seed=0, finite_differences=False):
 @pytest.mark.parametrize("spec", SPECS, ids=_row_id)
 def test_op_row(spec):
     _check_row(spec, finite_differences=True)
+
+
+_TRANSPOSED = [s for s in SPECS if s.op in ("conv_general_dilated", "reduce_window_sum")]
+
+
+@pytest.mark.parametrize("spec", _TRANSPOSED, ids=_row_id)
+def test_windowed_gradients_bitwise_equal_jax(spec):
+    """The rules emit the convolutions/windowed sums JAX's transposes emit: same bits in f32."""
+    xs = _args(spec, np.float32, seed=4)
+    ct = np.random.default_rng(5).standard_normal(jax.eval_shape(spec.fn, *xs).shape)
+    ct = ct.astype(np.float32)
+    gb = jg.backward(jg.trace(_vjp_loss(spec.fn), xs, ct, param_argnums=0))
+    ours = jax.jit(as_function(gb)).lower(xs, ct).compile(QUICK)(xs, ct)[1]
+    theirs = jax.jit(lambda xs, ct: jax.vjp(spec.fn, *xs)[1](ct)).lower(xs, ct).compile(QUICK)
+    for got, want in zip(ours, theirs(xs, ct), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_check_grads_on_op_rows():

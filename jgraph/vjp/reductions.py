@@ -2,7 +2,8 @@
 
 `reduce_max`/`reduce_min` split the cotangent evenly among tied maxima, as JAX does. The
 cumulative max/min/prod rules differentiate the same associative scan JAX uses to define them.
-Windowed max/min scatter the cotangent to the selected element (XLA's select-and-scatter).
+Windowed max/min scatter the cotangent to the selected element (XLA's select-and-scatter); a
+windowed sum's cotangent is a windowed sum of the stride-dilated cotangent.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax._src.interpreters import ad
 from jax._src.lax import windowed_reductions as wr
 
 from jgraph.errors import TransformError
 from jgraph.vjp import defvjp
+from jgraph.vjp.contractions import transposed_window_padding
 
 
 def _reduce_sum_vjp(cts, ins, outs, *, axes, **_):
@@ -77,9 +79,20 @@ defvjp("cummax", functools.partial(_cumulative_vjp, lax.max))
 defvjp("cummin", functools.partial(_cumulative_vjp, lax.min))
 
 
-def _reduce_window_sum_vjp(cts, ins, outs, **params):
+def _reduce_window_sum_vjp(cts, ins, outs, *, window_dimensions, window_strides, padding,
+                           base_dilation, window_dilation):
+    """A windowed sum is a convolution with a kernel of ones: each input element collects the
+    cotangent of every window it is in, a windowed sum of the cotangent dilated by the strides
+    (the window is symmetric, so it needs no flip)."""
     (ct,), (x,) = cts, ins
-    return wr._reduce_window_sum_transpose_rule(ct, ad.UndefinedPrimal(jax.typeof(x)), **params)
+    if ct.size == 0:
+        return [jnp.zeros_like(x)]
+    axes = zip(x.shape, window_dimensions, window_strides, ct.shape, padding, base_dilation,
+               window_dilation, strict=True)
+    config = [(*transposed_window_padding(*axis), axis[2] - 1) for axis in axes]
+    ct = lax.pad(ct, np.zeros((), ct.dtype), config)
+    return [lax.reduce_window(ct, np.zeros((), ct.dtype), lax.add, window_dimensions,
+                              base_dilation, [(0, 0)] * x.ndim, window_dilation=window_dilation)]
 
 
 defvjp("reduce_window_sum", _reduce_window_sum_vjp)
