@@ -266,3 +266,28 @@ def test_backward_is_pure_and_its_size_linear():
     size = {n: len(jg.backward(g).eqns) for n, g in graphs.items()}
     assert all(str(graphs[n]) == before[n] for n in graphs)  # the input graph is untouched
     assert size[40] - size[10] == 3 * (size[20] - size[10])  # a constant number of eqns per layer
+
+
+def _closing_custom_vjp_loss(w, x):
+    @jax.custom_vjp
+    def f(a):
+        return jnp.sin(a) * w
+
+    f.defvjp(lambda a: (f(a), a), lambda a, g: (g * jnp.cos(a) * 2.0,))
+    return jnp.sum(f(x))
+
+
+def test_custom_vjp_closing_over_a_value_differentiates_its_argument():
+    w, x = jnp.float32(2.0), jnp.linspace(0.0, 1.0, 3, dtype=jnp.float32)
+    g = jg.backward(jg.trace(_closing_custom_vjp_loss, w, x, param_argnums=1))
+    got = jg.compile(g)(w, x)
+    want = jax.value_and_grad(_closing_custom_vjp_loss, 1)(w, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_custom_vjp_closed_over_param_is_an_error_not_a_zero_gradient():
+    w, x = jnp.float32(2.0), jnp.ones(3, jnp.float32)
+    g = jg.trace(_closing_custom_vjp_loss, w, x, param_argnums=0)
+    with pytest.raises(jg.TransformError, match="closed-over value"):
+        jg.backward(g)

@@ -26,6 +26,8 @@ from jgraph.ir import is_float
 from jgraph.vjp.emit import emit
 
 vjp_rules: dict[str, Callable] = {}
+# op -> fn(n_inputs, params) -> input positions the rule never differentiates (error if needed).
+undifferentiable_inputs: dict[str, Callable] = {}
 
 # Ops whose outputs carry no gradient to their inputs.
 CUTS_GRADIENT = frozenset({"stop_gradient"})
@@ -72,6 +74,15 @@ def apply_rule(b, eqn, out_cts, needed=None):
             + " (jgraph never substitutes a zero gradient)"
         )
     n_in, n_out = len(eqn.inputs), len(eqn.outputs)
+    positions = undifferentiable_inputs.get(eqn.op)
+    if positions is not None and needed is not None:
+        for k in positions(n_in, eqn.params):
+            if needed[k]:
+                raise TransformError(
+                    f"op {eqn.op!r} gives its input {k} no cotangent, but that input needs a "
+                    f"gradient" + (f" at {eqn.source}" if eqn.source else "")
+                    + " (for custom_vjp: a closed-over value on the gradient path; pass it as an "
+                    "argument or use jax.closure_convert)")
     cts = list(out_cts)
     for k, ct in enumerate(cts):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
