@@ -3,7 +3,7 @@
 Gradient accumulation (logical batch 64 = 4 micro-batches of 16), remat of every block (each block
 is a `jax.checkpoint`), a progress bar, final loss and accuracy with uncertainties, a memory table
 (no remat vs remat; jgraph's estimate on the schedule vs XLA's compiled temp) and a PNG of the loss
-curves. Needs the `demo` extra: scikit-learn, matplotlib, tqdm.
+curves. Needs the `demo` extra: scikit-learn and matplotlib.
 """
 
 from __future__ import annotations
