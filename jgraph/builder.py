@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 
 from jgraph import ops
 from jgraph.errors import TraceError
-from jgraph.ir import Eqn, Literal, Region, Var
+from jgraph.ir import Eqn, Literal, Region, Var, literal_of
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
@@ -101,11 +101,11 @@ class Builder:
 
         def read(v):
             if isinstance(v, jex_core.Literal):
-                return Literal(v.val, v.aval)
+                return literal_of(v.val, v.aval)
             return env[v]
 
         for v, c in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = c if isinstance(c, (Var, Literal)) else Literal(c, v.aval)
+            env[v] = c if isinstance(c, (Var, Literal)) else literal_of(c, v.aval)
         for v, a in zip(jaxpr.invars, inputs, strict=True):
             env[v] = a
         saved_source = self.source

@@ -59,6 +59,7 @@ def _loss_only(spec):
     return (lambda *a: spec.fn(*a)[0]) if spec.has_aux else spec.fn
 
 
+@pytest.mark.f64
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
 def test_corpus_check_grads_order2_float64(spec):
     jg.testing.check_grads(_loss_only(spec), spec.args(seed=1, dtype=jnp.float64), order=2)
