@@ -151,12 +151,14 @@ def odd_sin(x):
 odd_sin.defjvp(lambda primals, tangents: (odd_sin(primals[0]), 100.0 * tangents[0]))
 
 
-def test_custom_jvp_uses_the_primal_body():
-    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32))
-    assert "custom_jvp_call" not in ops_of(g)
-    assert ops_of(g) == ["max", "sin", "reduce_sum"]
+def test_custom_jvp_is_its_primal_body_and_an_op_with_the_users_rule():
+    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32), param_argnums=0)
+    assert ops_of(g) == ["max", "custom_jvp_call", "sin", "custom_jvp_call", "reduce_sum"]
     x = jnp.array([-1.0, 0.5, 2.0], f32)
     np.testing.assert_array_equal(jg.evaluate(g, x), jnp.sum(jnp.sin(jnp.maximum(x, 0.0))))
+    grad = jg.compile(jg.backward(g))(x)[1]  # odd_sin's rule: 100 * t; relu'(x) = x > 0
+    np.testing.assert_array_equal(grad, [0.0, 100.0, 100.0])
+    np.testing.assert_array_equal(grad, jax.grad(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))))(x))
 
 
 def block(x):
