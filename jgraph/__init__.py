@@ -38,3 +38,12 @@ __all__ = [
     "first_micro_step",
 ]
 __version__ = "0.1.0"
+
+
+def _register_ops():
+    from jgraph import builder, ops
+
+    ops.register_jax_primitives(builder.rewritten_by_tracer())
+
+
+_register_ops()

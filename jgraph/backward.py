@@ -113,7 +113,7 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
     cts: dict[Var, object] = {}
 
     def add_ct(v, ct):
-        cts[v] = ct if v not in cts else vjp.emit(b, vjp.add_cotangents, cts[v], ct)[0]
+        cts[v] = ct if v not in cts else b.call(vjp.add_cotangents, cts[v], ct)[0]
 
     if isinstance(loss, Var) and loss in needs:
         add_ct(loss, seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval))
@@ -136,9 +136,9 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
     for k, p in enumerate(params):
         g = cts.get(p)
         if g is None:  # the loss does not depend on this param: a zero gradient
-            g = vjp.emit(b, jnp.zeros_like, p)[0]
+            g = b.call(jnp.zeros_like, p)[0]
         if accumulators:
-            g = vjp.emit(b, vjp.add_cotangents, accumulators[k], g)[0]
+            g = b.call(vjp.add_cotangents, accumulators[k], g)[0]
         grads.append(g)
     return grads, tuple(b.eqns)
 

@@ -1,11 +1,14 @@
 """Building eqns: binding ops, inlining jaxprs, and emitting JAX functions as IR.
 
-A `Builder` appends eqns to a list. The tracer uses it to turn a jaxpr into eqns; the backward pass
-uses the same builder to emit the eqns of VJP rules, which are written as ordinary JAX functions and
-traced once per (rule, params, input avals) by `jax.make_jaxpr`, then inlined. So a rule reads like
-JAX code, and what it emits is IR that later transforms can see and rewrite.
+A `Builder` appends eqns to a list. The tracer uses it to turn a jaxpr into eqns (`inline`); every
+transform uses `call` to emit a JAX function as IR: VJP rules, accumulation, optimizer updates are
+ordinary JAX functions, traced once per (function, static params, input avals) by `jax.make_jaxpr`
+into a template (its eqns with operands given as positions, dead eqns dropped by `passes.dce`).
+Emitting a template again only creates fresh variables and eqns, with no tracing and no shape
+inference, so a backward pass costs microseconds per eqn. So a rule reads like JAX code, and what
+it emits is IR that later transforms can see and rewrite.
 
-Higher-order primitives are rewritten by handlers (`_HANDLERS`, keyed by primitive name): nested
+Higher-order primitives are rewritten by handlers (registered with `@handler(name)`): nested
 `jit` is inlined, `custom_jvp_call` and `custom_vjp_call` are inlined with an op carrying the
 user's rule (`jgraph.custom_jvp`, `jgraph.custom_vjp`), `checkpoint` becomes a recorded region
 around its inlined body, `scan` is unrolled. `while` and `cond` are carried whole as opaque ops.
@@ -19,12 +22,13 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax._src import source_info_util
 from jax.extend import core as jex_core
+from jax.extend import source_info_util
 
+from jgraph import _jax_internals as internals
 from jgraph import ops
 from jgraph.errors import TraceError
-from jgraph.ir import Eqn, Literal, Region, Var, literal_of
+from jgraph.ir import Eqn, Graph, Literal, Region, ShapedArray, Var, literal_of
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
@@ -36,7 +40,7 @@ def source_line(jaxpr_eqn) -> str:
     """The user's frame that produced a jaxpr eqn, as "file:line:col (function)"."""
     try:
         return source_info_util.summarize(jaxpr_eqn.source_info)
-    except Exception:  # pragma: no cover - private API drift: provenance is best effort
+    except Exception:  # pragma: no cover - API drift: provenance is best effort
         return ""
 
 
@@ -60,7 +64,7 @@ class Builder:
         self.source = source
         self.new_regions: list[Region] = []  # regions met while inlining (checkpoint in a jaxpr)
         self.next_region_id = 0
-        self.fixed_source = False  # inside `call`: every eqn keeps `source`
+        self.in_custom_fwd = False  # inlining a custom_vjp's fwd: nested custom_vjps are inlined
 
     # -- binding ------------------------------------------------------------------------------
     def bind(self, op: str, *inputs, **params) -> list[Var]:
@@ -81,23 +85,26 @@ class Builder:
         """Emit the eqns of JAX function `fn(*arrays, **static)` applied to `inputs` (atoms).
 
         `fn` returns an array or a sequence of arrays (None entries pass through as None). The eqns
-        keep the builder's `source` (the user's line being differentiated or transformed), not the
-        line of `fn`, which is jgraph's own code.
+        carry the builder's tags, regions and `source` (the user's line being differentiated or
+        transformed), not the line of `fn`, which is jgraph's own code. `static` values must be
+        hashable: they are part of the template's cache key.
         """
-        avals = tuple(_aval_key(a.aval) for a in inputs)
-        closed, none_mask = _trace_cached(fn, tuple(sorted(static.items())), avals)
-        fixed, self.fixed_source = self.fixed_source, True
-        try:
-            outs = iter(self.inline(closed.jaxpr, closed.consts, inputs))
-        finally:
-            self.fixed_source = fixed
-        return [None if is_none else next(outs) for is_none in none_mask]
+        avals = tuple((tuple(a.aval.shape), a.aval.dtype, a.aval.weak_type) for a in inputs)
+        steps, out_refs = _template(fn, tuple(sorted(static.items())), avals)
+        values = list(inputs)
+        tags, regions, source, eqns = self.tags, self.regions, self.source, self.eqns
+        for op, refs, params, out_avals in steps:
+            outs = tuple([Var(aval) for aval in out_avals])
+            ins = tuple([values[r] if type(r) is int else r for r in refs])
+            eqns.append(Eqn(op, ins, params, outs, tags, regions, source))
+            values.extend(outs)
+        return [values[r] if type(r) is int else r for r in out_refs]
 
     # -- inlining jaxprs ----------------------------------------------------------------------
     def inline(self, jaxpr, consts, inputs) -> list:
         """Append the eqns of `jaxpr` applied to `inputs`; return the output atoms.
 
-        Each eqn gets the source line of its jaxpr eqn (the user's), except inside `call`."""
+        Each eqn gets the source line of its jaxpr eqn (the user's)."""
         env: dict = {}
 
         def read(v):
@@ -112,8 +119,7 @@ class Builder:
         saved_source = self.source
         try:
             for eqn in jaxpr.eqns:
-                if not self.fixed_source:
-                    self.source = source_line(eqn) or saved_source
+                self.source = source_line(eqn) or saved_source
                 outs = self.inline_eqn(eqn, [read(v) for v in eqn.invars])
                 for v, o in zip(eqn.outvars, outs, strict=True):
                     if not isinstance(v, jex_core.DropVar):
@@ -124,9 +130,9 @@ class Builder:
 
     def inline_eqn(self, eqn, inputs) -> list:
         name = eqn.primitive.name
-        handler = _HANDLERS.get(name)
-        if handler is not None:
-            return handler(self, eqn, inputs)
+        rewrite = _HANDLERS.get(name)
+        if rewrite is not None:
+            return rewrite(self, eqn, inputs)
         if eqn.effects:
             effects = ", ".join(sorted(map(str, eqn.effects)))
             raise TraceError(f"primitive {name!r} has side effects ({effects}), which jgraph does "
@@ -148,12 +154,10 @@ class Builder:
         return region
 
 
-def _aval_key(aval):
-    return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
-
-
-@functools.lru_cache(maxsize=8192)
-def _trace_cached(fn, static_items, avals):
+@functools.lru_cache(maxsize=16384)
+def _template(fn, static_items, avals):
+    """The eqns of `fn` traced on `avals`, as (steps, output refs); a ref is an int (a position
+    among the inputs and the outputs of earlier steps), a Literal, or None."""
     static = dict(static_items)
     none_mask = []
 
@@ -165,42 +169,64 @@ def _trace_cached(fn, static_items, avals):
 
     specs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
     closed = jax.make_jaxpr(flat_fn)(*specs)
-    return closed, tuple(none_mask)
+    scratch = Builder()
+    inputs = tuple(Var(ShapedArray(s, d, weak_type=w)) for s, d, w in avals)
+    outs = scratch.inline(closed.jaxpr, closed.consts, inputs)
+    from jgraph.passes import dce
+
+    live = dce(Graph(inputs, tuple(scratch.eqns), tuple(outs), ("data",) * len(inputs),
+                     ("aux",) * len(outs)))
+    position = {v: i for i, v in enumerate(inputs)}
+
+    def ref(a):
+        return a if isinstance(a, Literal) else position[a]
+
+    steps = []
+    for eqn in live.eqns:
+        steps.append((eqn.op, tuple(ref(a) for a in eqn.inputs), eqn.params,
+                      tuple(v.aval for v in eqn.outputs)))
+        for v in eqn.outputs:
+            position[v] = len(position)
+    outs = iter(outs)
+    return tuple(steps), tuple(None if is_none else ref(next(outs)) for is_none in none_mask)
 
 
 # -- handlers for the higher-order primitives the tracer rewrites ---------------------------------
-_HANDLERS: dict[str, Callable] = {}
+_HANDLERS: dict[str, Callable] = {}  # primitive name -> handler(builder, jaxpr eqn, input atoms)
 
 
-def _body(eqn):
-    """The sub-jaxpr of a call-like eqn, as (jaxpr, consts)."""
-    sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-    if isinstance(sub, jex_core.ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
+def handler(*names: str):
+    """Register a handler for the JAX primitives `names`: it emits their eqns into the builder
+    and returns the output atoms. Those primitives never appear as ops of their own name."""
+    def register(fn):
+        for name in names:
+            _HANDLERS[name] = fn
+        return fn
+
+    return register
 
 
+def rewritten_by_tracer() -> frozenset[str]:
+    """Names of the primitives the tracer rewrites (not ops of their own)."""
+    return frozenset(_HANDLERS)
+
+
+@handler("jit", "pjit", "closed_call", "core_call")
 def _inline_call(b: Builder, eqn, inputs):
-    jaxpr, consts = _body(eqn)
+    jaxpr, consts = internals.call_body(eqn.params)
     return b.inline(jaxpr, consts, inputs)
 
 
-for _name in ("jit", "pjit", "closed_call", "core_call"):
-    _HANDLERS[_name] = _inline_call
-
-
+@handler("remat2", "checkpoint")
 def _checkpoint_region(b: Builder, eqn, inputs):
-    jaxpr, consts = _body(eqn)
+    jaxpr, consts = internals.call_body(eqn.params)
     name = getattr(jaxpr.debug_info, "func_name", "") or ""
     saved = b.regions
-    b.enter_region(eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True)), name)
+    b.enter_region(*internals.checkpoint_params(eqn.params), name)
     try:
         return b.inline(jaxpr, consts, inputs)
     finally:
         b.regions = saved
-
-
-_HANDLERS["remat2"] = _HANDLERS["checkpoint"] = _checkpoint_region
 
 
 def _scan_unrolled(b: Builder, eqn, inputs):
@@ -247,4 +273,4 @@ def _stack(b: Builder, ys, stacked_aval):
     return b.bind("concatenate", *rows, dimension=0)[0]
 
 
-_HANDLERS["scan"] = _scan_unrolled
+handler("scan")(_scan_unrolled)

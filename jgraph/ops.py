@@ -11,23 +11,16 @@ identical to JAX's (bitwise on CPU). Ops that are not JAX primitives (jgraph's o
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
-from jax._src.core import Primitive
+from jax.extend import core as jex_core
 
 from jgraph.errors import JGraphError
 
+Primitive = jex_core.Primitive
 primitives: dict[str, Primitive] = {}  # op name -> the JAX primitive it binds
 shape_rules: dict[str, Callable] = {}
 lowerings: dict[str, Callable] = {}
-
-# Higher-order primitives the tracer rewrites (inlines, unrolls or records as regions): they never
-# appear as ops in a graph. `while` and `cond` are carried whole, as opaque ops.
-REWRITTEN_BY_TRACER = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat2",
-     "checkpoint", "scan"}
-)
 
 
 def defop(name: str, shape_rule: Callable, lowering: Callable) -> None:
@@ -60,26 +53,11 @@ def has_op(name: str) -> bool:
     return name in shape_rules and name in lowerings
 
 
-# The primitives of `jax.lax`, of checkpoint_name and of the PRNG are ops from import on; any
-# other first-order primitive is registered by the tracer when it meets it.
-_LAX_MODULES = (
-    "jax._src.lax.lax",
-    "jax._src.lax.slicing",
-    "jax._src.lax.windowed_reductions",
-    "jax._src.lax.convolution",
-    "jax._src.lax.special",
-    "jax._src.lax.control_flow.loops",
-    "jax._src.lax.control_flow.conditionals",
-    "jax._src.ad_checkpoint",
-    "jax._src.ad_util",
-    "jax._src.random.prng",
-    "jax._src.random.threefry2x32",
-)
-for _module in _LAX_MODULES:
-    try:
-        _namespace = vars(importlib.import_module(_module))
-    except ImportError:  # private module moved: the tracer registers what it meets anyway
-        continue
-    for _value in _namespace.values():
-        if isinstance(_value, Primitive) and _value.name not in REWRITTEN_BY_TRACER:
-            defprim(_value)
+def register_jax_primitives(rewritten: frozenset[str]) -> None:
+    """Make every public JAX primitive (`jax.extend.core.primitives`) an op, except those the
+    tracer rewrites and jgraph's own ops of the same name. Any other first-order primitive is
+    registered by the tracer when it meets it."""
+    for value in vars(jex_core.primitives).values():
+        if isinstance(value, Primitive) and value.name not in rewritten \
+                and value.name not in shape_rules:
+            defprim(value)

@@ -2,7 +2,7 @@
 
 A rule is a JAX function `rule(cts, ins, outs, **params) -> cotangent per input (or None)`, where
 `cts`, `ins` and `outs` are tuples of arrays. The backward pass traces it once per (rule, params,
-avals) and inlines the result (see `jgraph.builder.Builder.call`), so rules read like JAX code and
+avals) and replays it as eqns (`jgraph.builder.Builder.call`), so rules read like JAX code and
 what they emit is ordinary IR. Families share helpers (`defunary`, `defbinary`, `unbroadcast`).
 Where cheap, a rule uses the same formula as JAX's, so that gradients agree bitwise.
 
@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from jgraph.errors import TransformError
 from jgraph.ir import is_float
-from jgraph.vjp.emit import emit
 
 vjp_rules: dict[str, Callable] = {}
 # op -> fn(n_inputs, params) -> input positions the rule never differentiates (error if needed).
@@ -86,10 +85,10 @@ def apply_rule(b, eqn, out_cts, needed=None):
     cts = list(out_cts)
     for k, ct in enumerate(cts):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
-            cts[k] = emit(b, jnp.zeros_like, eqn.outputs[k])[0]
+            cts[k] = b.call(jnp.zeros_like, eqn.outputs[k])[0]
     needed = (True,) * n_in if needed is None else tuple(needed)
-    outs = emit(b, _run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
-                params=_freeze(eqn.params), needed=needed)
+    outs = b.call(_run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
+                  params=_freeze(eqn.params), needed=needed)
     return outs + [None] * (n_in - len(outs))
 
 
@@ -97,7 +96,7 @@ def _run_rule(*arrays, rule, n_in, n_out, params, needed):
     ins, outs, cts = arrays[:n_in], arrays[n_in:n_in + n_out], arrays[n_in + n_out:]
     result = list(rule(cts, ins, outs, **dict(params)))
     # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said, and
-    # so are those the caller does not need (emit's template drops the eqns computing them).
+    # so are those the caller does not need (the call's template drops the eqns computing them).
     return [None if ct is None or not use or not jnp.issubdtype(x.dtype, jnp.inexact) else ct
             for ct, x, use in zip(result, ins, needed, strict=False)]
 
@@ -130,9 +129,16 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_jvp, custom_vjp  # noqa: E402,F401  (custom_jvp/vjp_call ops and rules)
-from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
+from jgraph import custom_derivatives  # noqa: E402,F401  (the custom_jvp/vjp_call ops)
+from jgraph.vjp import (  # noqa: E402
+    contractions,
+    custom,
+    elementwise,
+    indexing,
+    reductions,
+    structural,
+)
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
-           "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "emit", "indexing",
+           "custom", "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "indexing",
            "reductions", "structural", "unbroadcast", "vjp_rules"]

@@ -1,0 +1,115 @@
+"""Every use of JAX internals, in one place: what jgraph needs and JAX has no public API for.
+
+jgraph reads jaxprs made by the public `jax.make_jaxpr`, but the params of some higher-order
+primitives are internal layouts (a custom_vjp's fwd/bwd thunks, a checkpoint's policy), and a few
+transposes have no public op. Each is named here with why; `check()` verifies them all and names the
+symbol that moved, so a JAX upgrade fails loudly in one test (`tests/test_jax_internals.py`) instead
+of deep inside a trace. `pyproject.toml` pins JAX to the minor release these were checked against.
+"""
+
+from __future__ import annotations
+
+from jax._src import ad_util
+from jax._src.lax import windowed_reductions
+
+# A cotangent the user's custom_vjp bwd declares zero (`jax.custom_vjp` passes symbolic zeros as
+# this type; there is no public name for it).
+SymbolicZero = ad_util.Zero
+
+# Windowed max/min transposes: XLA's select-and-scatter and its transpose, which jax.lax does not
+# export (JAX's own reduce_window_max VJP is built from them).
+select_and_scatter_add = windowed_reductions._select_and_scatter_add
+select_and_gather_add = windowed_reductions._select_and_gather_add
+
+
+# -- param layouts of higher-order primitives (jaxpr eqn params are not a public API) -------------
+def call_body(params):
+    """The body of a call-like eqn (`jit`, `pjit`, `closed_call`, `checkpoint`): (jaxpr, consts)."""
+    sub = params.get("jaxpr") or params.get("call_jaxpr")
+    if hasattr(sub, "consts"):
+        return sub.jaxpr, sub.consts
+    return sub, ()
+
+
+def checkpoint_params(params):
+    """(policy, prevent_cse) of a `jax.checkpoint` eqn (primitive `remat2`)."""
+    return params.get("policy"), bool(params.get("prevent_cse", True))
+
+
+def custom_jvp_params(params):
+    """(primal body (ClosedJaxpr), jvp thunk, num_consts, symbolic_zeros) of `custom_jvp_call`.
+
+    The thunk, called with one 'tangent is zero' flag per primal input, returns (jaxpr, consts,
+    out_zeros): the jaxpr maps (primals, non-zero tangents) to (primal outs, non-zero tangent
+    outs)."""
+    return (params["call_jaxpr"], params["jvp_jaxpr_fun"], params["num_consts"],
+            params["symbolic_zeros"])
+
+
+def custom_vjp_params(params):
+    """The parts of a `custom_vjp_call` eqn: (primal body, fwd(*float flags) -> (jaxpr, consts),
+    bwd, residuals() -> (residual treedef, input forwarding), num_consts, symbolic_zeros).
+    `residuals()` is known only once fwd has been traced: call it after `fwd`."""
+    def residuals():
+        _, res_tree, input_fwds = params["out_trees"]()
+        return res_tree, input_fwds
+
+    return (params["call_jaxpr"], params["fwd_jaxpr_thunk"].call_wrapped, params["bwd"],
+            residuals, params["num_consts"], params["symbolic_zeros"])
+
+
+def call_user_bwd(bwd, *args):
+    """Call the user's (flattened, linear_util-wrapped) custom_vjp bwd."""
+    return bwd.call_wrapped(*args)
+
+
+def check() -> None:
+    """Raise ImportError naming any internal symbol jgraph relies on that this JAX lacks."""
+    from jax._src import custom_derivatives
+    from jax._src.lax.control_flow import loops
+
+    needed = {
+        "jax._src.ad_util.Zero": (ad_util, "Zero"),
+        "jax._src.lax.windowed_reductions._select_and_scatter_add":
+            (windowed_reductions, "_select_and_scatter_add"),
+        "jax._src.lax.windowed_reductions._select_and_gather_add":
+            (windowed_reductions, "_select_and_gather_add"),
+        "jax._src.custom_derivatives.custom_jvp_call_p": (custom_derivatives, "custom_jvp_call_p"),
+        "jax._src.custom_derivatives.custom_vjp_call_p": (custom_derivatives, "custom_vjp_call_p"),
+        "jax._src.lax.control_flow.loops.scan_p": (loops, "scan_p"),
+    }
+    missing = [name for name, (module, attr) in needed.items() if not hasattr(module, attr)]
+    missing += _missing_params()
+    if missing:
+        raise ImportError(f"jgraph needs JAX internals this JAX does not have: {missing}")
+
+
+def _missing_params() -> list[str]:
+    """Param names of higher-order primitives read above, checked on tiny traced examples."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda p, t: (p[0], t[0]))
+
+    @jax.custom_vjp
+    def g(x):
+        return x
+
+    g.defvjp(lambda x: (x, None), lambda _, ct: (ct,))
+    expected = {
+        "custom_jvp_call": (f, {"call_jaxpr", "jvp_jaxpr_fun", "num_consts", "symbolic_zeros"}),
+        "custom_vjp_call": (g, {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees",
+                                "num_consts", "symbolic_zeros"}),
+        "remat2": (jax.checkpoint(jnp.sin), {"jaxpr", "policy", "prevent_cse"}),
+    }
+    missing = []
+    for name, (fn, keys) in expected.items():
+        eqn = jax.make_jaxpr(fn)(1.0).jaxpr.eqns[0]
+        if eqn.primitive.name != name:
+            missing.append(f"primitive {name!r} (JAX now binds {eqn.primitive.name!r})")
+        missing += [f"{name} param {k!r}" for k in sorted(keys - set(eqn.params))]
+    return missing

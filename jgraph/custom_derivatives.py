@@ -1,0 +1,97 @@
+"""`jax.custom_jvp` and `jax.custom_vjp` in user code: tracer handlers and the ops they emit.
+
+custom_jvp. The tracer inlines the primal body (so the forward is unchanged, bit for bit), followed
+by one `custom_jvp_call` op that takes the call's closed-over values, its primal inputs and the
+body's outputs, and returns those outputs unchanged. The backward pass reaches the body's values
+only through that op, whose VJP is the user's JVP rule linearized and transposed
+(`jgraph.vjp.custom`): `jax.nn.relu'(0)` is 0 and `softplus'(0)` is 1/2, as in JAX.
+
+custom_vjp. The tracer emits, as JAX does under differentiation, the eqns of the user's fwd (primal
+outputs and residuals), followed by one `custom_vjp_call` op that takes the primal inputs, the
+residuals, fwd's primal outputs and the closed-over values, and returns the primal outputs
+unchanged. Its VJP calls the user's bwd on (residuals, output cotangents), so no gradient flows back
+through fwd's own eqns (they only feed the op residuals).
+
+Closed-over values (`num_consts`) get no cotangent from the user's rules: one that needs a gradient
+is an error, as in JAX, never a silent zero (`jgraph.vjp.undifferentiable_inputs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jgraph import _jax_internals as internals
+from jgraph import ops
+from jgraph.builder import Builder, handler
+from jgraph.ir import is_float
+
+
+@dataclass(frozen=True, eq=False)
+class UserRule:
+    """A user's JVP rule or bwd as JAX stages it, printed by name (`jvp(relu)`, `bwd(f)`)."""
+
+    fn: Any  # custom_jvp: the jvp thunk; custom_vjp: the flattened bwd
+    kind: str  # "jvp" or "bwd"
+    name: str  # the custom function's name
+
+    def __repr__(self):
+        return f"{self.kind}({self.name})"
+
+    __str__ = __repr__
+
+
+def _name(closed_jaxpr, default: str) -> str:
+    return getattr(closed_jaxpr.jaxpr.debug_info, "func_name", "") or default
+
+
+# -- custom_jvp_call: inputs (consts, primals, body outputs) -> body outputs ----------------------
+def _jvp_outputs(*values, n_consts, n_primals, **_):
+    return list(values[n_consts + n_primals:])
+
+
+ops.defop("custom_jvp_call", _jvp_outputs, _jvp_outputs)
+
+
+@handler("custom_jvp_call")
+def _custom_jvp_call(b: Builder, eqn, inputs):
+    body, jvp, n_consts, symbolic_zeros = internals.custom_jvp_params(eqn.params)
+    outs = b.inline(body.jaxpr, body.consts, inputs)
+    return b.bind("custom_jvp_call", *inputs, *outs, n_consts=n_consts,
+                  n_primals=len(inputs) - n_consts,
+                  jvp=UserRule(jvp, "jvp", _name(body, "custom_jvp")),
+                  symbolic_zeros=symbolic_zeros)
+
+
+# -- custom_vjp_call: inputs (primals, residuals, primal outs, consts) -> primal outs -------------
+def _vjp_outputs(*values, n_primals, n_res, n_consts=0, **_):
+    return list(values[n_primals + n_res:len(values) - n_consts])
+
+
+ops.defop("custom_vjp_call", _vjp_outputs, _vjp_outputs)
+
+
+@handler("custom_vjp_call")
+def _custom_vjp_call(b: Builder, eqn, inputs):
+    body, fwd, bwd, residuals, n_consts, symbolic_zeros = internals.custom_vjp_params(eqn.params)
+    if b.in_custom_fwd:  # fwd's own values get no gradient: its primal will do
+        return b.inline(body.jaxpr, body.consts, inputs)
+    primals = inputs[n_consts:]
+    fwd_jaxpr, fwd_consts = fwd(*(is_float(a.aval) for a in primals))
+    res_tree, input_fwds = residuals()
+    n_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    # fwd closes over the same values as the call (its consts are the outer trace's): use the
+    # call's const inputs for them.
+    consts = inputs[:n_consts] if len(fwd_consts) == n_consts else fwd_consts
+    b.in_custom_fwd = True  # a custom_vjp called by fwd (fwd calling f, typically) is inlined
+    try:
+        outs = b.inline(fwd_jaxpr, consts, primals)
+    finally:
+        b.in_custom_fwd = False
+    res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
+    # input_fwds index the call's inputs (closed-over consts first, then primals).
+    res = [next(res_out) if f is None else inputs[f] for f in input_fwds]
+    name = eqn.params.get("name") or _name(body, "custom_vjp")
+    return b.bind("custom_vjp_call", *primals, *res, *primal_outs, *inputs[:n_consts],
+                  n_primals=len(primals), n_res=len(res), n_consts=n_consts,
+                  bwd=UserRule(bwd, "bwd", str(name)), symbolic_zeros=symbolic_zeros)

@@ -1,0 +1,49 @@
+"""VJP rules of the user-defined derivatives (`jgraph.custom_derivatives`).
+
+`custom_jvp_call`: the user's JVP rule, linearized in the tangents and transposed by `jax.vjp` of
+the tangent map, as JAX differentiates a custom_jvp function in reverse mode. `custom_vjp_call`:
+the user's bwd on (residuals, output cotangents). Neither gives closed-over values a cotangent.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jgraph import _jax_internals as internals
+from jgraph.ir import is_float
+from jgraph.vjp import defvjp, undifferentiable_inputs
+
+
+def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_zeros):
+    primals = ins[n_consts:n_consts + n_primals]
+    zero_in = [not is_float(jax.typeof(x)) for x in primals]  # integer inputs: no tangent
+    jaxpr, consts, zero_out = jvp.fn.call_wrapped(*zero_in)
+    tangent_map = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))
+    n_out = len(zero_out)
+
+    def tangents_out(*tangents):
+        return tangent_map(*primals, *tangents)[n_out:]
+
+    tangents = [np.zeros(x.shape, x.dtype) for x, z in zip(primals, zero_in, strict=True) if not z]
+    _, transpose = jax.vjp(tangents_out, *tangents)
+    cts_in = iter(transpose([ct for ct, z in zip(cts, zero_out, strict=True) if not z]))
+    return [None] * n_consts + [None if z else next(cts_in) for z in zero_in]
+
+
+defvjp("custom_jvp_call", _custom_jvp_call_vjp)
+undifferentiable_inputs["custom_jvp_call"] = lambda n_in, p: range(p["n_consts"])
+
+
+def _custom_vjp_call_vjp(cts, ins, outs, *, n_primals, n_res, bwd, symbolic_zeros, n_consts=0):
+    res = ins[n_primals:n_primals + n_res]
+    cts_in = internals.call_user_bwd(bwd.fn, *res, *cts)
+    cts_in = [None if isinstance(ct, internals.SymbolicZero) or ct is None else ct
+              for ct in cts_in]
+    return cts_in + [None] * (len(ins) - n_primals)
+
+
+defvjp("custom_vjp_call", _custom_vjp_call_vjp)
+undifferentiable_inputs["custom_vjp_call"] = lambda n_in, p: range(n_in - p.get("n_consts", 0),
+                                                                   n_in)
