@@ -17,9 +17,15 @@ from jax import lax
 from jgraph.vjp import defbinary, defunary, defvjp, unbroadcast, undifferentiable_inputs
 
 # -- identities ----------------------------------------------------------------------------------
-for _op in ("copy", "copy_p", "name", "device_put"):
+for _op in ("copy", "copy_p", "name"):
     defunary(_op, lambda ct, x, y: ct)
-defunary("reduce_precision", lambda ct, x, y: ct)
+
+
+def _reduce_precision_vjp(cts, ins, outs, **params):
+    return [lax.reduce_precision_p.bind(cts[0], **params)]  # linear: JAX rounds the ct too
+
+
+defvjp("reduce_precision", _reduce_precision_vjp)
 
 
 def _convert_element_type_vjp(ct, x, y):
@@ -31,11 +37,12 @@ def _convert_element_type_vjp(ct, x, y):
 defunary("convert_element_type", _convert_element_type_vjp)
 
 
-def _optimization_barrier_vjp(cts, ins, outs, **_):
+def _identities_vjp(cts, ins, outs, **_):
     return list(cts)
 
 
-defvjp("optimization_barrier", _optimization_barrier_vjp)
+defvjp("optimization_barrier", _identities_vjp)
+defvjp("device_put", _identities_vjp)  # variadic too: jax.device_put((x, y))
 
 # -- unary ---------------------------------------------------------------------------------------
 defunary("neg", lambda ct, x, y: -ct)
