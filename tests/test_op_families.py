@@ -20,7 +20,7 @@ from op_families import (check_against_jax, check_finite_differences, chunk_id, 
                          pair_id, split_sample)
 
 import jgraph as jg
-from jgraph import vjp
+from jgraph import ops, vjp
 from jgraph.errors import TransformError
 from jgraph.lower import as_function
 
@@ -71,7 +71,7 @@ def test_every_rule_has_a_family():
         assert by_id[case_id].order == 3
     missing = set(vjp.vjp_rules) - covered - set(ALIASES) - set(HIGHER_ORDER)
     assert not missing, f"ops with a VJP rule but no gradient family: {sorted(missing)}"
-    assert all(vjp.vjp_rules[a] is vjp.vjp_rules[b] for a, b in ALIASES.items())
+    assert not set(ALIASES) & set(ops.primitives), "an alias names a real primitive"
 
 
 def test_second_order_graph_of_windowed_max_uses_select_and_gather_add():
@@ -92,7 +92,7 @@ def test_second_order_graph_of_windowed_max_uses_select_and_gather_add():
 # -- where JAX has no derivative: a TransformError naming the op and the user's line -----------
 def _raises(fn, *args, op, jax_error):
     with pytest.raises(jax_error):
-        jax.grad(lambda *a: jnp.sum(jnp.real(fn(*a))))(*args)
+        jax.grad(lambda *a: jnp.sum(jnp.real(fn(*a))), tuple(range(len(args))))(*args)
     graph = jg.trace(lambda *a: jnp.sum(jnp.real(fn(*a))), *args,
                      param_argnums=tuple(range(len(args))))
     with pytest.raises(TransformError, match=op) as info:
