@@ -44,7 +44,7 @@ class Var:
 
 @dataclass(frozen=True, eq=False)
 class Literal:
-    value: Any  # a numpy scalar or array (closed-over constants are literals too)
+    value: Any  # a numpy scalar or array of `aval`'s dtype (closed-over constants are literals too)
     aval: ShapedArray  # abstract value of `value`
 
     def __repr__(self):
@@ -99,7 +99,33 @@ class Graph:
         return [a for a, r in zip(self.outputs, self.output_roles, strict=True) if r == role]
 
     def region(self, region_id: int) -> Region:
-        return next(r for r in self.regions if r.id == region_id)
+        for r in self.regions:
+            if r.id == region_id:
+                return r
+        from jgraph.errors import GraphError
+
+        raise GraphError(f"the graph has no checkpoint region {region_id} (it has "
+                         f"{[r.id for r in self.regions]})")
+
+    def grad_params(self) -> list[Var]:
+        """The param inputs in the order of the grad outputs: the `param_argnums` order, as
+        `jax.value_and_grad(fn, argnums=param_argnums)` returns them."""
+        n = self.param_argnums
+        if n is None or self.in_tree is None:
+            return self.inputs_with_role("param")
+        argnums = (n,) if isinstance(n, int) else tuple(n)
+        sizes = [t.num_leaves for t in self.in_tree.children()]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.inputs[starts[i] + k] for i in argnums for k in range(sizes[i])]
+
+    def input_paths(self) -> list[str]:
+        """Each input's place in the call arguments, as `[0]['w']` (`[k]` for flat graphs)."""
+        if self.in_tree is None:
+            return [f"[{k}]" for k in range(len(self.inputs))]
+        tree = jax.tree.unflatten(self.in_tree, list(range(len(self.inputs))))
+        paths = {k: jax.tree_util.keystr(path)
+                 for path, k in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return [paths[k] for k in range(len(self.inputs))]
 
     def __str__(self):
         from jgraph.printing import format_graph
@@ -117,9 +143,26 @@ def literal(value, dtype=None) -> Literal:
     return Literal(arr[()] if arr.ndim == 0 else arr, aval)
 
 
+def literal_of(value, aval) -> Literal:
+    """A literal of `aval` holding `value` as a numpy value of the aval's dtype.
+
+    JAX hands the tracer typed Python scalars (`TypedFloat`, `TypedInt`) and device arrays; taken
+    as they are, `np.asarray` would widen the scalars to 64 bits. Extended dtypes (PRNG keys),
+    which numpy cannot hold, keep their JAX value."""
+    if not is_extended(aval.dtype):
+        value = np.asarray(value, dtype=aval.dtype)
+        value = value[()] if value.ndim == 0 else value
+    return Literal(value, aval)
+
+
 def short_aval(aval) -> str:
     """`f32[3,4]`, as jaxprs print avals."""
     return aval.str_short(short_dtypes=True)
+
+
+def is_extended(dtype) -> bool:
+    """PRNG key and other extended dtypes, which numpy cannot represent."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def is_float(aval) -> bool:

@@ -97,8 +97,9 @@ def _raises(fn, *args, op, jax_error):
                      param_argnums=tuple(range(len(args))))
     with pytest.raises(TransformError, match=op) as info:
         jg.backward(graph)
-    assert "test_op_families.py:" in str(info.value), "the error must name the user's line"
-    return str(info.value)
+    text = "\n".join([str(info.value), *getattr(info.value, "__notes__", ())])
+    assert "test_op_families.py:" in text, "the error must name the user's line"
+    return text
 
 
 def test_scatter_apply_has_no_gradient_as_in_jax():

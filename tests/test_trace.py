@@ -6,6 +6,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
@@ -150,12 +151,14 @@ def odd_sin(x):
 odd_sin.defjvp(lambda primals, tangents: (odd_sin(primals[0]), 100.0 * tangents[0]))
 
 
-def test_custom_jvp_uses_the_primal_body():
-    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32))
-    assert "custom_jvp_call" not in ops_of(g)
-    assert ops_of(g) == ["max", "sin", "reduce_sum"]
+def test_custom_jvp_is_its_primal_body_and_an_op_with_the_users_rule():
+    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32), param_argnums=0)
+    assert ops_of(g) == ["max", "custom_jvp_call", "sin", "custom_jvp_call", "reduce_sum"]
     x = jnp.array([-1.0, 0.5, 2.0], f32)
     np.testing.assert_array_equal(jg.evaluate(g, x), jnp.sum(jnp.sin(jnp.maximum(x, 0.0))))
+    grad = jg.compile(jg.backward(g))(x)[1]  # odd_sin's rule: 100 * t; relu'(x) = x > 0
+    np.testing.assert_array_equal(grad, [0.0, 100.0, 100.0])
+    np.testing.assert_array_equal(grad, jax.grad(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))))(x))
 
 
 def block(x):
@@ -312,3 +315,103 @@ def test_outputs_may_be_inputs_or_constants():
     for got in (jg.compile(g)(x), jg.evaluate(g, x)):
         assert_tree_equal(got, want)
         assert got[1].dtype == want[1].dtype and got[1].shape == ()
+
+
+# -- JAX's defaults (x64 off): typed Python-scalar literals ------------------------------------
+def _dropout(p, x):
+    keep = jax.random.bernoulli(jax.random.PRNGKey(0), 0.5, (x.shape[0], p.shape[1]))
+    return jnp.mean(jnp.where(keep, (x @ p) / 0.5, 0.0))
+
+
+def _adam_step(p, x):
+    tx = optax.adam(1e-3)
+    grads = jax.grad(lambda p: jnp.sum((x @ p) ** 2))(p)
+    updates, _ = tx.update(grads, tx.init(p), p)
+    return jnp.sum(optax.apply_updates(p, updates))
+
+
+X64_OFF_CASES = {
+    "attention_mask": lambda p, x: jnp.mean(jnp.where(x @ p > 0, x @ p, -1e9)),
+    "xent_integer_labels": lambda p, x: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(x @ p, jnp.array([0, 2]))),
+    "dropout_where": _dropout,
+    "add_int_literal": lambda p, x: jnp.sum(x @ p + 2),
+    "adam_step": _adam_step,
+}
+
+
+@pytest.mark.parametrize("name", sorted(X64_OFF_CASES))
+def test_check_accepts_typed_scalar_literals_with_x64_off(name):
+    assert not jax.config.jax_enable_x64
+    fn = X64_OFF_CASES[name]
+    p, x = jnp.full((3, 4), 0.1), jnp.arange(6.0).reshape(2, 3)
+    g = jg.check(jg.trace(fn, p, x, param_argnums=0))
+    for eqn in g.eqns:  # every literal holds a numpy value of exactly its aval's dtype
+        for a in eqn.inputs:
+            if isinstance(a, jg.Literal):
+                assert np.asarray(a.value).dtype == a.aval.dtype, (eqn.op, a)
+    gb = jg.check(jg.backward(g))
+    value, grad = jg.compile(gb)(p, x)
+    want_value, want_grad = jax.value_and_grad(fn)(p, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+# -- call-time checks ---------------------------------------------------------------------------
+def _signature_graph():
+    f = lambda p, x, n: jnp.sum(x @ p["w"]) * n
+    return jg.trace(f, {"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), jnp.int32(2), param_argnums=0)
+
+
+@pytest.mark.parametrize("run", ["evaluate", "compile"])
+@pytest.mark.parametrize("args, message", [
+    (({"v": jnp.ones((3, 2))}, jnp.ones((2, 3)), 3),
+     r"(?s)do not match the traced signature.*missing    args\[0\]\['w'\]: expected f32\[3,2\]"
+     r".*unexpected args\[0\]\['v'\]: f32\[3,2\]"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 4)), 2),
+     r"argument args\[1\] is f32\[2,4\] but the traced signature has f32\[2,3\] there"),
+    (({"w": jnp.ones((3, 2), jnp.int32)}, jnp.ones((2, 3)), 2),
+     r"argument args\[0\]\['w'\] is i32\[3,2\] but the traced signature has f32\[3,2\]"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 2.5), r"argument args\[2\] is .*i32\[\]"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 1j), r"argument args\[2\] is .*i32\[\]"),
+])
+def test_calls_with_another_signature_are_named_errors(run, args, message):
+    g = _signature_graph()
+    call = jg.evaluate if run == "evaluate" else lambda g, *a: jg.compile(g)(*a)
+    with pytest.raises(jg.JGraphError, match=message):
+        call(g, *args)
+
+
+def test_python_scalars_that_fit_are_converted():
+    g = _signature_graph()
+    args = ({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)))
+    assert float(jg.evaluate(g, *args, 3)) == float(jg.compile(g)(*args, 3)) == 36.0
+    with pytest.raises(jg.JGraphError, match=r"out of the range of i32\[\]"):
+        jg.evaluate(g, *args, 2**40)
+
+
+def test_integer_params_are_an_error_naming_the_param():
+    def f(p, x):
+        return jnp.sum(x * p["w"]) + p["n"]
+
+    g = jg.trace(f, {"w": jnp.ones(3), "n": jnp.int32(2)}, jnp.ones(3), param_argnums=0)
+    with pytest.raises(jg.TransformError, match=r"param args\[0\]\['n'\] is i32\[\]"):
+        jg.backward(g)
+    with pytest.raises(TypeError):  # as jax.grad refuses
+        jax.grad(f)({"w": jnp.ones(3), "n": jnp.int32(2)}, jnp.ones(3))
+
+
+def test_errors_inside_rules_and_lowerings_name_the_eqn_and_line():
+    import dataclasses
+
+    g = jg.trace(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(3), param_argnums=0)
+    bad = dataclasses.replace(g.eqns[0], params={"accuracy": "bogus"})
+    g = g.replace(eqns=(bad,) + g.eqns[1:])
+    with pytest.raises(jg.JGraphError, match=r"while evaluating eqn `b:f32\[3\] = "
+                                             r"sin\[accuracy=bogus\] a` \(.*test_trace.py:\d+"):
+        jg.evaluate(g, jnp.ones(3))
+    g = jg.trace(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(3), param_argnums=0)
+    bad = dataclasses.replace(g.eqns[1], params=dict(g.eqns[1].params, axes=(3,)))
+    with pytest.raises(jg.TransformError, match=r"while differentiating eqn `c:f32\[\] = "
+                                                r"reduce_sum\[axes=\(3,\)"):
+        jg.backward(g.replace(eqns=(g.eqns[0], bad)))

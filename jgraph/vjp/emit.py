@@ -5,8 +5,7 @@ list of its eqns with operands given as positions (an input, or an earlier eqn's
 literals. Emitting it again only creates fresh variables and eqns, with no tracing and no shape
 inference, so a backward pass costs a few microseconds per eqn (linear in the graph's size).
 Eqns of the traced function that no output depends on are dropped from the template.
-Emitted eqns carry the builder's tags, regions and source (the user's line of the forward eqn);
-a `TransformError` a rule raises (a case it cannot differentiate) gets that line appended.
+Emitted eqns carry the builder's tags, regions and source (the user's line of the forward eqn).
 """
 
 from __future__ import annotations
@@ -16,19 +15,13 @@ import functools
 from jax.core import ShapedArray
 
 from jgraph.builder import Builder
-from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Literal, Var
 
 
 def emit(b: Builder, fn, *inputs, **static) -> list:
     """Append the eqns of `fn(*inputs, **static)` to `b`; return its outputs (atoms or None)."""
     avals = tuple((tuple(a.aval.shape), a.aval.dtype, a.aval.weak_type) for a in inputs)
-    try:
-        steps, out_refs = _template(fn, tuple(sorted(static.items())), avals)
-    except TransformError as err:
-        if not b.source or b.source in str(err):
-            raise
-        raise TransformError(f"{err} (at {b.source})") from err
+    steps, out_refs = _template(fn, tuple(sorted(static.items())), avals)
     values = list(inputs)
     tags, regions, source, eqns = b.tags, b.regions, b.source, b.eqns
     for op, refs, params, out_avals in steps:
