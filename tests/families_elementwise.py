@@ -250,6 +250,13 @@ def _identity_cases():
              ("stop_gradient",), order=0,
              why_no_fd="stop_gradient is, by design, not the derivative of what it computes"),
         Case("custom_vjp_call", "sin", _sin_with_rule, (Arg((3, 2)),), ("custom_vjp_call",)),
+        Case("custom_jvp_call", "relu", jax.nn.relu, (Arg((3, 2), "nonzero"),),
+             ("custom_jvp_call",)),
+        Case("custom_jvp_call", "logaddexp", jnp.logaddexp, (Arg((3, 2)), Arg((3, 2))),
+             ("custom_jvp_call",)),
+        Case("custom_jvp_call", "relu at 0", jax.nn.relu, (Arg((3,), ("at", 0.0)),),
+             ("custom_jvp_call",), order=0,
+             why_no_fd="relu'(0) is a convention (the custom_jvp rule's, checked against JAX)"),
     ]
 
 
