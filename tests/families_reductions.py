@@ -11,7 +11,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from op_families import COMPLEX, REAL, Arg, Case
+from op_families import COMPLEX, ISSUE_TAG, REAL, Arg, Case
 
 RC = (REAL, COMPLEX)
 REDUCE_SHAPES = [((), ()), ((3, 4, 5), ()), ((3, 4, 5), (0,)), ((3, 4, 5), (1, 2)),
@@ -90,7 +90,8 @@ def _window_cases():
     for op, init, fn, _ in windows[1:]:  # a cotangent that depends on x: rules of orders 2 and 3
         cases.append(Case(op, "squared, order 3", lambda x, i=init, f=fn: jnp.square(
             lax.reduce_window(x, np.array(i, x.dtype), f, (2, 2), (1, 2), "SAME", (2, 1))),
-            (Arg((4, 6), "unique"),), (op,), order=3, backward_ops=("select_and_scatter_add",)))
+            (Arg((4, 6), "unique"),), (op,), order=3, backward_ops=("select_and_scatter_add",),
+            tags=ISSUE_TAG))
     return cases
 
 
@@ -124,7 +125,9 @@ def _sort_cases():
         if k <= shape[axis]:
             cases.append(Case("top_k", f"{shape} k{k}@{axis}",
                               lambda x, k=k, a=axis: lax.top_k(x, k, axis=a)[0],
-                              (Arg(shape, "unique"),), ("top_k",)))
+                              (Arg(shape, "unique"),), ("top_k",),
+                              tags=ISSUE_TAG if (shape, k, axis) == ((5, 5), 3, 0) else
+                              frozenset()))
     cases.append(Case("argmax", "x[argmax]", lambda x: x[jnp.argmax(x[:, 0])] * x[0],
                       (Arg((4, 3), "unique"),), ("argmax",)))
     return cases

@@ -32,6 +32,8 @@ from jgraph.lower import as_function
 
 QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 REAL, COMPLEX = "real", "complex"
+ISSUE = "issue"  # tag of a case reproducing a reported bug: always in the default run
+ISSUE_TAG = frozenset({ISSUE})
 _DTYPES = {(REAL, 32): np.float32, (REAL, 64): np.float64,
            (COMPLEX, 32): np.complex64, (COMPLEX, 64): np.complex128}
 
@@ -253,12 +255,12 @@ def items(cases, check: str):
 def split_sample(pairs, per_family: int, seed: str, by_op: bool = False):
     """(default, rest): `per_family` pairs of each family (or each op's families, `by_op`)
     drawn at random, plus the first pair of every op and dtype kind not yet covered, so that
-    the default run reaches every op of every family in both kinds."""
+    the default run reaches every op of every family in both kinds, plus every ISSUE case."""
     by_family: dict[str, list] = {}
     for pair in pairs:
         family = pair[0].family.split("/")[0] if by_op else pair[0].family
         by_family.setdefault(family, []).append(pair)
-    chosen = set()
+    chosen = {id(pair) for pair in pairs if ISSUE in pair[0].tags}
     for family, members in by_family.items():
         rng = np.random.default_rng(zlib.crc32(f"{seed}/{family}".encode()))
         picks = rng.permutation(len(members))[:per_family]
