@@ -46,7 +46,7 @@ def source_line(jaxpr_eqn) -> str:
 
 def _has_subjaxpr(params) -> bool:
     for key, value in params.items():
-        if key == "update_jaxpr":  # a scatter's combiner, lowered by the primitive itself
+        if key == "update_jaxpr" or (key == "jaxpr" and "computation" in params):  # combiners
             continue
         values = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, _JAXPR_TYPES) for v in values):

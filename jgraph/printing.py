@@ -10,7 +10,8 @@
 Variables are named a, b, ..., z, ba, bb, ... in order of appearance; each input and output carries
 `@role`. Params print as `key=value`, leaving out what the output aval already says (a broadcast's
 or reshape's shape), defaults (None, `weak_type=False`, unit dilations, zero window padding) and
-empty dimension-number fields; `dot_general` prints its contracting and batch dimensions as
+empty dimension-number fields; a `scatter` prints its combiner (`update_jaxpr`) on one line when it
+has one; `dot_general` prints its contracting and batch dimensions as
 `lhs x rhs`, a convolution its layouts as `N01C,01IO->N01C`. Tags and regions follow an eqn as a
 comment; the regions of the graph are listed after it.
 """
@@ -132,7 +133,9 @@ def _gather_params(params, eqn):
              "scatter_dims_to_operand_dims": "to_operand",
              "scatter_indices_batching_dims": "indices_batch"}
     fields = {short.get(k, k): v for k, v in zip(dn._fields, dn, strict=True) if v != ()}
-    out.pop("update_jaxpr", None)
+    combiner = out.pop("update_jaxpr", None)
+    if combiner is not None and eqn.op == "scatter":  # what it computes (the others: their name)
+        out["update_jaxpr"] = " ".join(str(combiner).split())
     if out.get("update_consts") == ():
         out.pop("update_consts")
     return fields | out

@@ -1,7 +1,10 @@
-"""VJP rules of elementwise ops (unary, binary, select_n, clamp), with JAX's formulas.
+"""VJP rules of elementwise ops (unary, binary, select_n, clamp, complex parts), with JAX's
+formulas.
 
 Each rule is written as JAX's JVP rule transposed, operation for operation, so that jgraph's
-gradients agree with `jax.vjp` bitwise on the same backend.
+gradients agree with `jax.vjp` bitwise on the same backend. Complex values follow JAX's
+convention: a rule transposes the (real-)linear JVP without conjugating, so `mul`'s cotangent is
+`ct * y` for complex `y` too, and a cotangent always has its input's dtype (`real`'s is complex).
 """
 
 from __future__ import annotations
@@ -11,20 +14,35 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from jgraph.vjp import defbinary, defunary, defvjp, unbroadcast
+from jgraph.vjp import defbinary, defunary, defvjp, unbroadcast, undifferentiable_inputs
 
 # -- identities ----------------------------------------------------------------------------------
-for _op in ("copy", "copy_p", "name", "device_put"):
+for _op in ("copy", "copy_p", "name"):
     defunary(_op, lambda ct, x, y: ct)
-defunary("reduce_precision", lambda ct, x, y: ct)
-defunary("convert_element_type", lambda ct, x, y: ct.astype(x.dtype))
 
 
-def _optimization_barrier_vjp(cts, ins, outs, **_):
+def _reduce_precision_vjp(cts, ins, outs, **params):
+    return [lax.reduce_precision_p.bind(cts[0], **params)]  # linear: JAX rounds the ct too
+
+
+defvjp("reduce_precision", _reduce_precision_vjp)
+
+
+def _convert_element_type_vjp(ct, x, y):
+    if jnp.iscomplexobj(ct) and not jnp.iscomplexobj(x):  # the conversion kept the real part
+        ct = lax.real(ct)
+    return lax.convert_element_type(ct, x.dtype)
+
+
+defunary("convert_element_type", _convert_element_type_vjp)
+
+
+def _identities_vjp(cts, ins, outs, **_):
     return list(cts)
 
 
-defvjp("optimization_barrier", _optimization_barrier_vjp)
+defvjp("optimization_barrier", _identities_vjp)
+defvjp("device_put", _identities_vjp)  # variadic too: jax.device_put((x, y))
 
 # -- unary ---------------------------------------------------------------------------------------
 defunary("neg", lambda ct, x, y: -ct)
@@ -49,12 +67,56 @@ defunary("sqrt", lambda ct, x, y: ct * (0.5 / y))
 defunary("rsqrt", lambda ct, x, y: ct * (-0.5 * (y / x)))
 defunary("cbrt", lambda ct, x, y: ct * ((1 / 3) * lax.integer_pow(y, -2)))
 defunary("square", lambda ct, x, y: ct * (2 * x))
-defunary("abs", lambda ct, x, y: jnp.where(x >= 0, ct, -ct))
+
+
+def _abs_vjp(ct, x, y):
+    if jnp.iscomplexobj(x):  # d|z| = real(conj(z) / |z| * dz), transposed
+        safe = jnp.where(y == 0, jnp.ones_like(y), y).astype(x.dtype)
+        return lax.complex(ct, jnp.zeros_like(ct)) * (lax.conj(x) / safe)
+    return jnp.where(x >= 0, ct, -ct)
+
+
+defunary("abs", _abs_vjp)
 defunary("erf", lambda ct, x, y: (2 / math.sqrt(math.pi) * ct) * jnp.exp(-jnp.square(x)))
 defunary("erfc", lambda ct, x, y: (-2 / math.sqrt(math.pi) * ct) * jnp.exp(-jnp.square(x)))
 defunary("erf_inv", lambda ct, x, y: ct * (math.sqrt(math.pi) / 2 * jnp.exp(jnp.square(y))))
 defunary("lgamma", lambda ct, x, y: ct * lax.digamma(x))
 defunary("digamma", lambda ct, x, y: ct * lax.polygamma(jnp.ones_like(x), x))
+defunary("bessel_i0e", lambda ct, x, y: ct * (lax.bessel_i1e(x) - jnp.sign(x) * y))
+
+
+def _bessel_i1e_vjp(ct, x, y):
+    """i1e' = i0e - y (sign(x) + 1/x), whose limit at 0 is 1/2 (JAX's guard for tiny x)."""
+    eps = jnp.finfo(x.dtype).eps
+    not_tiny = jnp.abs(x) > eps
+    safe_x = jnp.where(not_tiny, x, jnp.full_like(x, eps))
+    slope = lax.bessel_i0e(safe_x) - y * (jnp.sign(safe_x) + 1 / safe_x)
+    return ct * jnp.where(not_tiny, slope, jnp.full_like(x, 0.5))
+
+
+defunary("bessel_i1e", _bessel_i1e_vjp)
+
+
+def _polygamma_vjp(cts, ins, outs, **_):
+    (ct,), (m, x) = cts, ins
+    return [None, unbroadcast(ct * lax.polygamma(m + jnp.ones_like(m), x), x)]
+
+
+defvjp("polygamma", _polygamma_vjp)
+undifferentiable_inputs["polygamma"] = lambda n_in, params: (0,)  # JAX: no gradient in m
+
+# -- complex parts (linear over the reals) --------------------------------------------------------
+defunary("real", lambda ct, x, y: lax.complex(ct, jnp.zeros_like(ct)))
+defunary("imag", lambda ct, x, y: lax.complex(jnp.zeros_like(ct), -ct))
+
+
+def _conj_vjp(cts, ins, outs, *, input_dtype):
+    (ct,), (x,) = cts, ins
+    return [lax.conj(ct) if jnp.iscomplexobj(x) else lax.real(ct)]
+
+
+defvjp("conj", _conj_vjp)
+defbinary("complex", lambda ct, x, y, z: (lax.real(ct), -lax.imag(ct)))
 
 
 def _tanh_vjp(ct, x, y):
@@ -82,7 +144,18 @@ defvjp("integer_pow", _integer_pow_vjp)
 defbinary("add", lambda ct, x, y, z: (ct, ct))
 defbinary("add_any", lambda ct, x, y, z: (ct, ct))
 defbinary("sub", lambda ct, x, y, z: (ct, -ct))
-defbinary("mul", lambda ct, x, y, z: (ct * y, x * ct))
+
+
+def _mul_vjp(cts, ins, outs, *, out_dtype=None):
+    """With `out_dtype`, the products are taken back to each input's dtype, as JAX does."""
+    (ct,), (x, y) = cts, ins
+    if out_dtype is None:
+        return [unbroadcast(ct * y, x), unbroadcast(x * ct, y)]
+    return [unbroadcast(lax.mul(ct, y, out_dtype=x.dtype), x),
+            unbroadcast(lax.mul(x, ct, out_dtype=y.dtype), y)]
+
+
+defvjp("mul", _mul_vjp)
 defbinary("div", lambda ct, x, y, z: (ct / y, -((ct * lax.integer_pow(y, -2)) * x)))
 defbinary("atan2", lambda ct, x, y, z: (ct * (y / (jnp.square(x) + jnp.square(y))),
                                         ct * -x / (jnp.square(x) + jnp.square(y))))

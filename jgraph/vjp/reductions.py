@@ -1,23 +1,28 @@
-"""VJP rules of reductions: reduce_sum/max/min/prod, cumulative ops, windowed reductions, sort.
+"""VJP rules of reductions: reduce_sum/max/min/prod, a general (variadic) reduce, cumulative
+ops, windowed reductions, sort, top_k.
 
 `reduce_max`/`reduce_min` split the cotangent evenly among tied maxima, as JAX does. The
-cumulative max/min/prod rules differentiate the same associative scan JAX uses to define them.
-Windowed max/min scatter the cotangent to the selected element (XLA's select-and-scatter); a
-windowed sum's cotangent is a windowed sum of the stride-dilated cotangent.
+cumulative max/min/prod rules differentiate the same associative scan JAX uses to define them; a
+general `reduce` is differentiated, as in JAX, as a tree of pairwise applications of its reducer.
+Windowed max/min scatter the cotangent to the selected element (XLA's select-and-scatter; base
+dilation is supported, window dilation is not, as in JAX); a windowed sum's cotangent is a
+windowed sum of the stride-dilated cotangent.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lax import windowed_reductions as wr
+from jax.extend import core as jex_core
 
 from jgraph.errors import TransformError
-from jgraph.vjp import defvjp
+from jgraph.vjp import defvjp, undifferentiable_inputs
 from jgraph.vjp.contractions import transposed_window_padding
 
 
@@ -98,17 +103,47 @@ def _reduce_window_sum_vjp(cts, ins, outs, *, window_dimensions, window_strides,
 defvjp("reduce_window_sum", _reduce_window_sum_vjp)
 
 
-def _reduce_window_chooser_vjp(select_prim, cts, ins, outs, *, window_dimensions, window_strides,
-                               padding, base_dilation, window_dilation):
-    (ct,), (x,) = cts, ins
-    if any(d != 1 for d in (*base_dilation, *window_dilation)):  # as in JAX
-        raise TransformError("no VJP rule for a windowed max/min with dilation")
-    return [wr._select_and_scatter_add(ct, x, select_prim, window_dimensions, window_strides,
-                                       padding)]
+def _scatter_to_chosen(ct, x, select_prim, window_dimensions, window_strides, padding,
+                      base_dilation):
+    """Each window's cotangent goes to the element it chose (XLA's select-and-scatter). With base
+    dilation, the holes between elements hold the identity, so no window chooses them."""
+    dilated = any(d != 1 for d in base_dilation)
+    if dilated:
+        identity = np.array(-np.inf if select_prim is lax.ge_p else np.inf, x.dtype)
+        x = lax.pad(x, identity, tuple((0, 0, d - 1) for d in base_dilation))
+    ct_x = wr._select_and_scatter_add(ct, x, select_prim, window_dimensions, window_strides,
+                                      padding)
+    return lax.slice(ct_x, (0,) * x.ndim, ct_x.shape, base_dilation) if dilated else ct_x
 
 
-defvjp("reduce_window_max", functools.partial(_reduce_window_chooser_vjp, lax.ge_p))
-defvjp("reduce_window_min", functools.partial(_reduce_window_chooser_vjp, lax.le_p))
+def _reduce_window_chooser_vjp(op, select_prim, cts, ins, outs, *, window_dimensions,
+                               window_strides, padding, base_dilation, window_dilation):
+    if any(d != 1 for d in window_dilation):
+        raise TransformError(f"no VJP rule for op {op!r} with window_dilation="
+                             f"{tuple(window_dilation)} (JAX has none either)")
+    return [_scatter_to_chosen(cts[0], ins[0], select_prim, window_dimensions, window_strides,
+                               padding, base_dilation)]
+
+
+defvjp("reduce_window_max",
+       functools.partial(_reduce_window_chooser_vjp, "reduce_window_max", lax.ge_p))
+defvjp("reduce_window_min",
+       functools.partial(_reduce_window_chooser_vjp, "reduce_window_min", lax.le_p))
+
+
+def _select_and_gather_add_vjp(cts, ins, outs, *, select_prim, window_dimensions,
+                               window_strides, padding, base_dilation, window_dilation):
+    """Linear in the gathered tangents (the windowed max/min's JVP): its transpose scatters to
+    the chosen elements. The choice is piecewise constant in the operand: no cotangent."""
+    if any(d != 1 for d in window_dilation):
+        raise TransformError(f"no VJP rule for op 'select_and_gather_add' with window_dilation="
+                             f"{tuple(window_dilation)} (JAX has none either)")
+    (ct,), (_tangents, x) = cts, ins
+    return [_scatter_to_chosen(ct, x, select_prim, window_dimensions, window_strides, padding,
+                               base_dilation), None]
+
+
+defvjp("select_and_gather_add", _select_and_gather_add_vjp)
 
 
 def _sort_vjp(cts, ins, outs, *, dimension, is_stable, num_keys):
@@ -123,15 +158,67 @@ def _sort_vjp(cts, ins, outs, *, dimension, is_stable, num_keys):
 defvjp("sort", _sort_vjp)
 
 
-def _top_k_vjp(cts, ins, outs, **_):
+def _top_k_vjp(cts, ins, outs, *, axis=-1, **_):
+    """Each of the k cotangents goes to the element its index names (one-hot, exact)."""
     (ct, _), (x,), (_, idx) = cts, ins, outs
-    k, n = ct.shape[-1], x.shape[-1]
+    axis = axis % x.ndim
+    if ct.shape[axis] == 0:
+        return [jnp.zeros_like(x)]
+    ct, idx = jnp.moveaxis(ct, axis, -1), jnp.moveaxis(idx, axis, -1)
+    n = x.shape[axis]
     one_hot = (idx[..., None] == lax.broadcasted_iota(idx.dtype, (*idx.shape, n), idx.ndim))
-    return [jnp.einsum("...k,...kn->...n", ct, one_hot.astype(ct.dtype),
-                       precision=lax.Precision.HIGHEST) if k else jnp.zeros_like(x)]
+    ct_x = jnp.einsum("...k,...kn->...n", ct, one_hot.astype(ct.dtype),
+                      precision=lax.Precision.HIGHEST)
+    return [jnp.moveaxis(ct_x, -1, axis)]
 
 
 defvjp("top_k", _top_k_vjp)
+
+
+def _reduce_pairwise(reducer, xs, inits, axes):
+    """A general `reduce` as a tree of pairwise applications of its reducer (as JAX
+    differentiates it: the reducer is taken to be associative, the init values its identity)."""
+    shape = xs[0].shape
+    kept = [d for d in range(len(shape)) if d not in axes]
+    kept_shape = tuple(shape[d] for d in kept)
+    n = math.prod(shape[d] for d in axes)
+    if n == 0:
+        return [jnp.full(kept_shape, i) for i in inits]
+    xs = [lax.reshape(x, (n, *kept_shape), (*axes, *kept)) for x in xs]
+    for _ in range(len(kept) + 1):  # the reducer acts on scalars: map it over every axis
+        reducer = jax.vmap(reducer)
+    while n > 1:
+        half = (n + 1) // 2
+        first = [lax.slice_in_dim(x, 0, half) for x in xs]
+        second = [lax.slice_in_dim(x, half, n) for x in xs]
+        if n % 2:  # pad the shorter half with the identity
+            config = [(0, 1, 0)] + [(0, 0, 0)] * len(kept)
+            second = [lax.pad(x, i, config) for x, i in zip(second, inits, strict=True)]
+        xs, n = reducer(*first, *second), half
+    return [lax.squeeze(x, (0,)) for x in xs]
+
+
+def _reduce_vjp(cts, ins, outs, *, jaxpr, dimensions, **_):
+    """The pullback of the pairwise tree, for the floating operands; init values get none."""
+    n = len(ins) // 2
+    xs, inits = list(ins[:n]), ins[n:]
+    floats = [k for k, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    reducer = jex_core.jaxpr_as_fun(jaxpr)
+
+    def tree(*float_xs):
+        for k, x in zip(floats, float_xs, strict=True):
+            xs[k] = x
+        outs = _reduce_pairwise(reducer, xs, inits, tuple(dimensions))
+        return [outs[k] for k in floats]
+
+    _, pullback = jax.vjp(tree, *(xs[k] for k in floats))
+    float_cts = iter(pullback([cts[k] for k in floats]))
+    return [next(float_cts) if k in floats else None for k in range(n)] + [None] * n
+
+
+defvjp("reduce", _reduce_vjp)
+# JAX differentiates no general reduce through its init values (they must be the identity).
+undifferentiable_inputs["reduce"] = lambda n_in, params: range(n_in // 2, n_in)
 
 
 def _select_and_scatter_add_vjp(cts, ins, outs, *, select_prim, window_dimensions,

@@ -1,9 +1,10 @@
 """VJP rules of ops that move data without arithmetic: broadcast, reshape, transpose, slice, pad,
-concatenate, split, rev, squeeze. Each is linear; its rule is its transpose.
+concatenate, split, stack, tile, rev, squeeze. Each is linear; its rule is its transpose.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -21,7 +22,17 @@ def _broadcast_in_dim_vjp(cts, ins, outs, *, shape, broadcast_dimensions, **_):
 
 
 defvjp("broadcast_in_dim", _broadcast_in_dim_vjp)
-deflinear("reshape", lambda ct, x, **p: lax.reshape(ct, x.shape))
+
+
+def _reshape_vjp(ct, x, *, dimensions=None, **_):
+    """`dimensions` transposes x before the reshape: undo the reshape, then the transpose."""
+    if dimensions is None:
+        return lax.reshape(ct, x.shape)
+    ct = lax.reshape(ct, tuple(x.shape[d] for d in dimensions))
+    return lax.transpose(ct, tuple(int(i) for i in np.argsort(dimensions)))
+
+
+deflinear("reshape", _reshape_vjp)
 deflinear("squeeze", lambda ct, x, **p: lax.reshape(ct, x.shape))
 deflinear("transpose", lambda ct, x, *, permutation: lax.transpose(
     ct, tuple(int(i) for i in np.argsort(permutation))))
@@ -42,6 +53,8 @@ deflinear("slice", _slice_vjp)
 
 def _pad_vjp(cts, ins, outs, *, padding_config):
     (ct,), (_x, _pad_value) = cts, ins
+    if not padding_config:  # a rank-0 operand: nothing was padded
+        return [ct, jnp.zeros((), ct.dtype)]
     lo, hi, interior = zip(*padding_config, strict=True)
     unpadded = lax.pad(ct, lax.full((), 0, ct.dtype),
                        [(-a, -b, 0) for a, b in zip(lo, hi, strict=True)])
@@ -63,6 +76,22 @@ def _concatenate_vjp(cts, ins, outs, *, dimension):
 
 
 defvjp("concatenate", _concatenate_vjp)
+
+
+def _stack_vjp(cts, ins, outs, *, axis):
+    return [lax.index_in_dim(cts[0], i, axis, keepdims=False) for i in range(len(ins))]
+
+
+defvjp("stack", _stack_vjp)
+
+
+def _tile_vjp(ct, x, *, reps):
+    """Each element of x is read once per tile: sum the tiles, split out as leading axes."""
+    ct = lax.reshape(ct, tuple(n for pair in zip(reps, x.shape, strict=True) for n in pair))
+    return lax.reduce_sum(ct, tuple(range(0, 2 * x.ndim, 2)))
+
+
+deflinear("tile", _tile_vjp)
 
 
 def _split_vjp(cts, ins, outs, *, axis, **_):
