@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from jax import ad_checkpoint as _jax_ad_checkpoint
-from jax._src.interpreters import partial_eval as _pe
 
 from jgraph import ops
+from jgraph.errors import TransformError
 
 _JAX = _jax_ad_checkpoint.checkpoint_policies
 
@@ -63,14 +64,31 @@ class _OpStandIn:
 
 
 def saves(policy, eqn) -> bool:
-    """Does `policy` save the outputs of `eqn`? (None saves nothing, as in `jax.checkpoint`.)"""
+    """Does `policy` save the outputs of `eqn`? (None saves nothing, as in `jax.checkpoint`.)
+
+    A policy answers a bool or one of JAX's markers; `Offloadable` is treated as saving (on the
+    device). Any other answer (None, 0, a string) is an error, as in JAX, never read as 'save'."""
     if policy is None:
         return False
+    if not callable(policy):
+        raise TransformError(f"remat policy {policy!r} is not callable; use one of "
+                             "jg.policies (or a function (prim, *avals, **params) -> bool)")
     prim = ops.primitives.get(eqn.op) or _OpStandIn(eqn.op)
-    answer = policy(prim, *(a.aval for a in eqn.inputs), **eqn.params)
-    if isinstance(answer, bool):
-        return answer
-    return answer is not _pe.Recompute  # Saveable, or Offloadable (saved on device here)
+    try:
+        answer = policy(prim, *(a.aval for a in eqn.inputs), **eqn.params)
+    except TypeError as e:
+        raise TransformError(f"remat policy {policy_name(policy)} cannot be called as "
+                             f"policy(prim, *avals, **params): {e}") from e
+    if isinstance(answer, (bool, np.bool_)):
+        return bool(answer)
+    if answer is _jax_ad_checkpoint.Recompute:
+        return False
+    if answer is _jax_ad_checkpoint.Saveable or isinstance(answer,
+                                                           _jax_ad_checkpoint.Offloadable):
+        return True
+    raise TransformError(f"remat policy {policy_name(policy)} answered {answer!r} for op "
+                         f"{eqn.op!r}; a policy must answer True/False or a "
+                         "jax.ad_checkpoint marker (Saveable, Recompute, Offloadable)")
 
 
 def policy_name(policy) -> str:

@@ -459,3 +459,20 @@ def test_budget_nothing_can_meet_is_an_error_naming_the_best_peak():
     loss, params, x = small_chain(segment=4)
     with pytest.raises(TransformError, match="smallest estimated peak"):
         jg.remat(joint(loss, params, x), budget=16)
+
+
+@pytest.mark.parametrize("answer", [None, "yes", 0, 1.0])
+def test_a_policy_answering_neither_bool_nor_marker_is_an_error(answer):
+    gb = jg.backward(jg.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2)),
+                              jnp.ones((4, 3)), param_argnums=0))
+    with pytest.raises(jg.TransformError, match=r"answered .* a policy must answer True/False"):
+        jg.remat(gb, policy=lambda prim, *a, **p: answer)
+
+
+def test_a_policy_that_is_not_a_policy_is_an_error():
+    gb = jg.backward(jg.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2)),
+                              jnp.ones((4, 3)), param_argnums=0))
+    with pytest.raises(jg.TransformError, match="not callable"):
+        jg.remat(gb, policy="dots_saveable")
+    with pytest.raises(jg.TransformError, match=r"cannot be called as policy\(prim"):
+        jg.remat(gb, policy=lambda: True)

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax import windowed_reductions as wr
 from jax.extend import core as jex_core
 
+from jgraph import _jax_internals as internals
 from jgraph.errors import TransformError
 from jgraph.vjp import defvjp, undifferentiable_inputs
 from jgraph.vjp.contractions import transposed_window_padding
@@ -111,7 +111,7 @@ def _scatter_to_chosen(ct, x, select_prim, window_dimensions, window_strides, pa
     if dilated:
         identity = np.array(-np.inf if select_prim is lax.ge_p else np.inf, x.dtype)
         x = lax.pad(x, identity, tuple((0, 0, d - 1) for d in base_dilation))
-    ct_x = wr._select_and_scatter_add(ct, x, select_prim, window_dimensions, window_strides,
+    ct_x = internals.select_and_scatter_add(ct, x, select_prim, window_dimensions, window_strides,
                                       padding)
     return lax.slice(ct_x, (0,) * x.ndim, ct_x.shape, base_dilation) if dilated else ct_x
 
@@ -226,7 +226,7 @@ def _select_and_scatter_add_vjp(cts, ins, outs, *, select_prim, window_dimension
     """Linear in the scattered source: its transpose gathers from the selected elements."""
     (ct,), (_source, x) = cts, ins
     ones = (1,) * len(window_dimensions)
-    return [wr._select_and_gather_add(ct, x, select_prim, window_dimensions, window_strides,
+    return [internals.select_and_gather_add(ct, x, select_prim, window_dimensions, window_strides,
                                       padding, ones, ones), None]
 
 
