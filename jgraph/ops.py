@@ -60,8 +60,8 @@ def has_op(name: str) -> bool:
     return name in shape_rules and name in lowerings
 
 
-# The primitives of `jax.lax`, of checkpoint_name and of the PRNG are ops from import on; any
-# other first-order primitive is registered by the tracer when it meets it.
+# The primitives of `jax.lax` (linear algebra and FFT included), of checkpoint_name and of the PRNG
+# are ops from import on; any other first-order primitive is registered by the tracer when it meets it.
 _LAX_MODULES = (
     "jax._src.lax.lax",
     "jax._src.lax.slicing",
@@ -70,6 +70,9 @@ _LAX_MODULES = (
     "jax._src.lax.special",
     "jax._src.lax.control_flow.loops",
     "jax._src.lax.control_flow.conditionals",
+    "jax._src.lax.control_flow.solves",
+    "jax._src.lax.linalg",
+    "jax._src.lax.fft",
     "jax._src.ad_checkpoint",
     "jax._src.ad_util",
     "jax._src.random.prng",

@@ -7,7 +7,7 @@ what they emit is ordinary IR. Families share helpers (`defunary`, `defbinary`, 
 Where cheap, a rule uses the same formula as JAX's, so that gradients agree bitwise.
 
 The rules live by op family in the submodules (`elementwise`, `structural`, `indexing`,
-`contractions`, `reductions`); importing this package registers them all.
+`contractions`, `reductions`, `linalg`, `fft`); importing this package registers them all.
 
 Ops in NON_DIFFERENTIABLE have no floating outputs that depend differentiably on their inputs
 (their gradient is zero, as in JAX); ops in CUTS_GRADIENT stop gradient flow. Any other op met on
@@ -130,9 +130,10 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_vjp  # noqa: E402,F401  (the custom_vjp_call op and its rule)
-from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
+from jgraph import custom_vjp, linear_solve  # noqa: E402,F401  (higher-order ops and their rules)
+from jgraph.vjp import (  # noqa: E402
+    contractions, elementwise, fft, indexing, linalg, reductions, structural)
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
-           "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "emit", "indexing",
-           "reductions", "structural", "unbroadcast", "vjp_rules"]
+           "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "emit", "fft", "indexing",
+           "linalg", "reductions", "structural", "unbroadcast", "vjp_rules"]
