@@ -81,8 +81,8 @@ def apply_rule(b, eqn, out_cts, needed=None):
                 raise TransformError(
                     f"op {eqn.op!r} gives its input {k} no cotangent, but that input needs a "
                     f"gradient" + (f" at {eqn.source}" if eqn.source else "")
-                    + " (for custom_vjp: a closed-over value on the gradient path; pass it as an "
-                    "argument or use jax.closure_convert)")
+                    + " (for custom_jvp/custom_vjp: a closed-over value on the gradient path; "
+                    "pass it as an argument or use jax.closure_convert)")
     cts = list(out_cts)
     for k, ct in enumerate(cts):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
@@ -130,7 +130,7 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_vjp, linear_solve  # noqa: E402,F401  (higher-order ops and their rules)
+from jgraph import custom_jvp, custom_vjp, linear_solve  # noqa: E402,F401  (higher-order ops)
 from jgraph.vjp import (  # noqa: E402
     contractions, elementwise, fft, indexing, linalg, reductions, structural)
 
