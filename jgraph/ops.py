@@ -61,7 +61,8 @@ def has_op(name: str) -> bool:
 
 
 # The primitives of `jax.lax` (linear algebra and FFT included), of checkpoint_name and of the PRNG
-# are ops from import on; any other first-order primitive is registered by the tracer when it meets it.
+# are ops from import on; any other first-order primitive is registered by the tracer when it
+# meets it.
 _LAX_MODULES = (
     "jax._src.lax.lax",
     "jax._src.lax.slicing",

@@ -54,7 +54,7 @@ def _assert_params_close(ours, theirs, rtol):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol)
 
 
-# -- Gaussian process -------------------------------------------------------------------------------
+# -- Gaussian process ------------------------------------------------------------------------------
 def gp_negative_log_marginal_likelihood(p, data):
     x, y = data
     sq_dist = jnp.sum((x[:, None, :] - x[None, :, :]) ** 2, axis=-1)
@@ -86,7 +86,7 @@ def test_gaussian_process_marginal_likelihood_trains_as_optax():
     assert float(jnp.exp(ours["log_noise"])) < float(jnp.exp(params["log_noise"]))
 
 
-# -- RealNVP-style flow -----------------------------------------------------------------------------
+# -- RealNVP-style flow ----------------------------------------------------------------------------
 def _mlp(p, h):
     return jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 

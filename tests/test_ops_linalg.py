@@ -138,8 +138,9 @@ ROWS = [
     Row("lu-wide", "lu", lambda a: lax.linalg.lu(a)[0], (general(2, 3, 5),)),
     Row("lu-tall", "lu", lambda a: lax.linalg.lu(a)[0], (general(2, 5, 3),)),
     Row("scipy-lu", "lu", jax.scipy.linalg.lu, (general(4, 4),)),
-    Row("lu_solve", "lu_pivots_to_permutation", lambda a, b: jax.scipy.linalg.lu_solve(jax.scipy.linalg.lu_factor(a),
-                                                                 b), (general(4, 4), normal(4, 2))),
+    Row("lu_solve", "lu_pivots_to_permutation",
+        lambda a, b: jax.scipy.linalg.lu_solve(jax.scipy.linalg.lu_factor(a), b),
+        (general(4, 4), normal(4, 2))),
     Row("slogdet", "lu", jnp.linalg.slogdet, (general(2, 4, 4),)),
     Row("det-3x3", "mul", jnp.linalg.det, (general(2, 3, 3),)),
     Row("det-5x5", "lu", jnp.linalg.det, (general(2, 5, 5),)),
@@ -424,6 +425,23 @@ def test_solve_graph_prints_evaluates_and_remats():
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
         np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
     np.testing.assert_allclose(jax.grad(jg.to_jax(g))(a, b), want[1], rtol=1e-6)
+
+
+def test_platform_dependent_code_is_resolved_while_tracing():
+    """jnp.diagonal of a matrix stages a cond on platform_index (a Pallas/mosaic branch and a
+    default one): the tracer inlines the branch of the default backend, so it differentiates."""
+    a = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+
+    def loss(a):
+        picked = lax.platform_dependent(a, cpu=lambda a: 2 * a, default=lambda a: 3 * a)
+        return jnp.trace(a) + jnp.sum(jnp.diagonal(a, 1) ** 2) + jnp.sum(jnp.sin(picked))
+
+    g = jg.trace(loss, a, param_argnums=0)
+    assert "cond" not in {e.op for e in g.eqns}
+    ours = jg.compile(jg.backward(g))(a)
+    want = jax.value_and_grad(loss)(a)
+    np.testing.assert_allclose(ours[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1], want[1], rtol=1e-6)
 
 
 LINALG_OPS = ["cholesky", "triangular_solve", "lu", "lu_pivots_to_permutation", "qr", "eigh",

@@ -130,7 +130,7 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_jvp, custom_vjp, linear_solve  # noqa: E402,F401  (higher-order ops)
+from jgraph import custom_jvp, custom_vjp, linear_solve, platform_dependent  # noqa: E402,F401
 from jgraph.vjp import (  # noqa: E402
     contractions, elementwise, fft, indexing, linalg, reductions, structural)
 

@@ -67,7 +67,7 @@ def _cholesky_vjp(cts, ins, outs, **_):
 defvjp("cholesky", _cholesky_vjp)
 
 
-# -- triangular_solve: op(A) X = B (left side) or X op(A) = B ---------------------------------------
+# -- triangular_solve: op(A) X = B (left side) or X op(A) = B --------------------------------------
 def _triangular_solve_vjp(cts, ins, outs, *, left_side, lower, transpose_a, conjugate_a,
                           unit_diagonal):
     """ct_B solves the transposed system; dX = -op(A)^-1 op(dA) X, so ct_op(A) = -ct_B X^T
@@ -85,7 +85,7 @@ def _triangular_solve_vjp(cts, ins, outs, *, left_side, lower, transpose_a, conj
 defvjp("triangular_solve", _triangular_solve_vjp)
 
 
-# -- lu: P A = L U,  dL = L tril(Y, -1),  dU = triu(Y) U,  Y = L^-1 P dA U^-1 -----------------------
+# -- lu: P A = L U,  dL = L tril(Y, -1),  dU = triu(Y) U,  Y = L^-1 P dA U^-1 ----------------------
 def _lu_factors(lu):
     """Unit lower L (m x m) and upper U (n x n), padded with identity for non-square inputs."""
     m, n = lu.shape[-2:]
@@ -112,7 +112,7 @@ def _lu_vjp(cts, ins, outs):
 defvjp("lu", _lu_vjp)
 
 
-# -- qr ---------------------------------------------------------------------------------------------
+# -- qr --------------------------------------------------------------------------------------------
 def _thin_qr_vjp(q, r, ct_q, ct_r):
     """X = Q R with Q [m, n], R [n, n] (m >= n). With D = dX R^-1 and C = Q^H D:
     dQ = Q (Om - C) + D and dR = (C - Om) R, where Om = tril(C, -1) - tril(C, -1)^H + i Im diag C
@@ -162,7 +162,7 @@ def _qr_vjp(cts, ins, outs, *, pivoting, full_matrices, use_magma=None):
 defvjp("qr", _qr_vjp)
 
 
-# -- eigh: A = V diag(w) V^H,  dw = Re diag(V^H dA V),  dV = V (F o V^H dA V) -----------------------
+# -- eigh: A = V diag(w) V^H,  dw = Re diag(V^H dA V),  dV = V (F o V^H dA V) ----------------------
 def _eigh_vjp(cts, ins, outs, *, subset_by_index=None, **_):
     (ct_v, ct_w), (a,), (v, w) = cts, ins, outs
     n = a.shape[-1]
