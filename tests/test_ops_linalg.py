@@ -23,58 +23,11 @@ from jax import lax
 import jgraph as jg
 from jgraph import ops, vjp
 from jgraph.lower import as_function
+from linalg_inputs import (general, normal, separated_singular, separated_symmetric, spd,
+                           triangular)
 
 QUICK = {"xla_backend_optimization_level": 0}
 tri_solve = lax.linalg.triangular_solve
-
-
-# -- structured inputs (numpy float64; rows cast them) ---------------------------------------------
-def general(*shape, shift=3.0):
-    """Random matrices, square ones shifted to be well conditioned."""
-    def make(rng):
-        a = rng.standard_normal(shape)
-        return a + shift * np.eye(shape[-1]) if shape[-1] == shape[-2] else a
-    return make
-
-
-def spd(*shape):
-    def make(rng):
-        a = rng.standard_normal(shape)
-        return a @ np.swapaxes(a, -1, -2) + shape[-1] * np.eye(shape[-1])
-    return make
-
-
-def triangular(*shape, lower=True):
-    def make(rng):
-        a = rng.standard_normal(shape) + 4 * np.eye(shape[-1])
-        return np.tril(a) if lower else np.triu(a)
-    return make
-
-
-def _orthogonal(rng, batch, n):
-    return np.linalg.qr(rng.standard_normal((*batch, n, n)))[0]
-
-
-def separated_symmetric(*shape):
-    """Q diag(1, 2, ..., n) Q^T: eigenvalues one apart."""
-    def make(rng):
-        q = _orthogonal(rng, shape[:-2], shape[-1])
-        return (q * np.arange(1.0, shape[-1] + 1)[..., None, :]) @ np.swapaxes(q, -1, -2)
-    return make
-
-
-def separated_singular(*shape):
-    """U diag(s) V^T with singular values 1.5, 2.5, ... (one apart)."""
-    def make(rng):
-        *batch, m, n = shape
-        k = min(m, n)
-        u, v = _orthogonal(rng, batch, m)[..., :k], _orthogonal(rng, batch, n)[..., :k]
-        return (u * (np.arange(k) + 1.5)) @ np.swapaxes(v, -1, -2)
-    return make
-
-
-def normal(*shape):
-    return lambda rng: rng.standard_normal(shape)
 
 
 @dataclass(frozen=True)
@@ -284,6 +237,10 @@ COMPLEX_ROWS = [
         (_hermitian_separated(2, 3, 3),)),
     Row("svd-tall", "svd", lambda a: jnp.linalg.svd(a, full_matrices=False),
         (_complex(2, 4, 3),)),
+    Row("eigvals", "eig", jnp.linalg.eigvals, (general(2, 4, 4),)),
+    Row("eig-vectors", "eig", lambda a: lax.linalg.eig(a, compute_left_eigenvectors=True,
+                                                        enable_eigvec_derivs=True),
+        (general(2, 4, 4),)),
     Row("fft-ifft2", "fft", lambda z: (jnp.fft.fft(z), jnp.fft.ifft2(z)), (_complex(2, 4, 6),)),
     Row("rfft", "fft", lambda x: (jnp.fft.rfft(x), jnp.fft.rfftn(x)), (normal(2, 4, 7),)),
     Row("irfft", "fft", lambda z: (jnp.fft.irfft(z, 6), jnp.fft.irfftn(z, (3, 5))),
@@ -397,6 +354,19 @@ def test_custom_linear_solve_without_transpose_is_a_clear_error():
         jg.backward(jg.trace(loss, a, b, param_argnums=1))
 
 
+def test_eig_eigenvectors_without_opt_in_is_a_clear_error():
+    a = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
+
+    def vectors(a):
+        return jnp.linalg.eig(a)[1]
+
+    ct = np.ones((3, 3), np.complex64)
+    with pytest.raises(NotImplementedError, match="enable_eigvec_derivs"):  # JAX cannot either
+        jax.vjp(vectors, a)[1](ct)
+    with pytest.raises(jg.TransformError, match="enable_eigvec_derivs"):
+        jax.vjp(jg.to_jax(jg.trace(vectors, a)), a)[1](ct)
+
+
 def test_svd_full_matrices_of_non_square_is_a_clear_error():
     a = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
 
@@ -445,7 +415,7 @@ def test_platform_dependent_code_is_resolved_while_tracing():
 
 
 LINALG_OPS = ["cholesky", "triangular_solve", "lu", "lu_pivots_to_permutation", "qr", "eigh",
-              "svd", "fft", "unstack", "scatter-mul", "cumlogsumexp", "custom_linear_solve"]
+              "svd", "eig", "fft", "unstack", "scatter-mul", "cumlogsumexp", "custom_linear_solve"]
 
 
 @pytest.mark.parametrize("op", LINALG_OPS)

@@ -1,4 +1,4 @@
-"""VJP rules of linear algebra: cholesky, triangular_solve, lu, qr, eigh, svd.
+"""VJP rules of linear algebra: cholesky, triangular_solve, lu, qr, eigh, svd, eig.
 
 Each rule is the transpose of the standard matrix-calculus derivative of the factorization (the
 forward-mode results JAX's own rules use), derived by hand: for a linear map `dA -> dOut`, the
@@ -14,6 +14,7 @@ divide by differences of eigenvalues (singular values), which are infinite for r
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -223,3 +224,51 @@ def _svd_vjp(cts, ins, outs, *, full_matrices, compute_uv, subset_by_index=None,
 
 
 defvjp("svd", _svd_vjp)
+
+
+# -- eig (general matrices): A V = V diag(w), P = V^-1 dA V, dw = diag(P) --------------------------
+def _eigvec_tangent(w, v, v_inv, da):
+    """dV = V (F o P) + V diag(c): the eigenvalue equation leaves each dv_j free along v_j; LAPACK's
+    normalization (unit norm, largest component real) fixes c_j = -Re(v_j^H u_j) - i Im(u_kj) / v_kj
+    with k the row of v_j's largest entry and u_j the j-th column of V (F o P)."""
+    n = w.shape[-1]
+    eye = _eye(n, w.dtype)
+    f = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
+    u = _mm(v, f * _mm(_mm(v_inv, da), v))
+    rows = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 2)
+    mask = (rows == jnp.argmax(jnp.abs(v), axis=-2)[..., None, :]).astype(v.dtype)
+    c = lax.complex(-jnp.real(jnp.sum(jnp.conj(v) * u, axis=-2)),
+                    -jnp.imag(jnp.sum(mask * u, axis=-2)) / jnp.real(jnp.sum(mask * v, axis=-2)))
+    return u + v * c[..., None, :]
+
+
+def _eig_vjp(cts, ins, outs, *, compute_left_eigenvectors, compute_right_eigenvectors,
+             enable_eigvec_derivs=False, implementation=None):
+    """The transpose (by `jax.linear_transpose`) of the tangent map above, as JAX defines it."""
+    (a,) = ins
+    left, right = compute_left_eigenvectors, compute_right_eigenvectors
+    if (left or right) and not enable_eigvec_derivs:
+        raise TransformError("eig with eigenvectors is differentiable only with "
+                             "enable_eigvec_derivs=True (lax.linalg.eig), as in JAX; "
+                             "jnp.linalg.eigvals differentiates")
+    full = outs if right else lax_linalg.eig(
+        a, compute_left_eigenvectors=left, compute_right_eigenvectors=True,
+        enable_eigvec_derivs=True, implementation=implementation)
+    w, vr = full[0], full[-1]
+    vr_inv = jnp.linalg.inv(vr)
+    vl_inv = jnp.linalg.inv(full[1]) if left else None
+
+    def tangent(da):
+        da = da.astype(vr.dtype)
+        dw = jnp.diagonal(_mm(_mm(vr_inv, da), vr), axis1=-2, axis2=-1)
+        out = [dw]
+        if left:
+            out.append(_eigvec_tangent(jnp.conj(w), full[1], vl_inv, _H(da)))
+        if right:
+            out.append(_eigvec_tangent(w, vr, vr_inv, da))
+        return out
+
+    return list(jax.linear_transpose(tangent, a)(list(cts)))
+
+
+defvjp("eig", _eig_vjp)
