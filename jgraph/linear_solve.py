@@ -51,17 +51,19 @@ def _custom_linear_solve_vjp(cts, ins, outs, *, const_lengths, jaxprs):
             "custom_linear_solve without transpose_solve (and not symmetric) cannot be "
             "differentiated in reverse mode; JAX cannot either: pass transpose_solve= or "
             "symmetric=True to lax.custom_linear_solve")
-    (matvec_c, vecmat_c, solve_c, transpose_solve_c), _ = _split(ins, const_lengths)
+    (matvec_c, vecmat_c, solve_c, transpose_solve_c), b = _split(ins, const_lengths)
+    # With has_aux, the solves also return auxiliary values after x: they carry no gradient.
+    x, ct_x = outs[:len(b)], cts[:len(b)]
     lam = solves.linear_solve_p.bind(
-        *vecmat_c, *matvec_c, *transpose_solve_c, *solve_c, *cts,
-        const_lengths=const_lengths.transpose(), jaxprs=jaxprs.transpose())
+        *vecmat_c, *matvec_c, *transpose_solve_c, *solve_c, *ct_x,
+        const_lengths=const_lengths.transpose(), jaxprs=jaxprs.transpose())[:len(b)]
     matvec = jaxpr_as_fun(jaxprs.matvec)
     floating = [jnp.issubdtype(c.dtype, jnp.inexact) for c in matvec_c]
 
     def matvec_of_consts(*theta):
         it = iter(theta)
         full = [next(it) if f else c for c, f in zip(matvec_c, floating, strict=True)]
-        return matvec(*full, *outs)
+        return matvec(*full, *x)
 
     _, pull = jax.vjp(matvec_of_consts, *(c for c, f in zip(matvec_c, floating, strict=True)
                                           if f))

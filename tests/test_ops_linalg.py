@@ -326,6 +326,23 @@ def test_custom_linear_solve_user_operators():
     for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
     jg.testing.check_grads(fn, (a, b), order=2)
+
+    def with_aux(a, b):  # the solves also return an auxiliary value, which has no gradient
+        def solve(_, y):
+            x = jnp.linalg.solve(lax.stop_gradient(a), y)
+            return x, jnp.sum(x)
+
+        def transpose_solve(_, y):
+            x = jnp.linalg.solve(lax.stop_gradient(a).T, y)
+            return x, jnp.sum(x)
+
+        x, aux = lax.custom_linear_solve(lambda x: a @ x, b, solve, transpose_solve,
+                                         has_aux=True)
+        return jnp.sum(jnp.sin(x)) + lax.stop_gradient(aux)
+
+    ours = jg.compile(jg.backward(jg.trace(with_aux, a, b, param_argnums=(0, 1))))(a, b)
+    for got, want in zip(ours[1], jax.grad(with_aux, (0, 1))(a, b), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
     sym = spd(3, 3)(rng)
     jg.testing.check_grads(lambda m, b: lax.custom_linear_solve(
         lambda x: m @ x, b, lambda _, y: jnp.linalg.solve(lax.stop_gradient(m), y),

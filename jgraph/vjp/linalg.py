@@ -47,7 +47,7 @@ def _diag(v, dtype):
     return v.astype(dtype)[..., None, :] * _eye(v.shape[-1], dtype)
 
 
-def _solve(a, b, **kw):
+def _tri_solve(a, b, **kw):
     return lax_linalg.triangular_solve(a, b, **kw)
 
 
@@ -61,8 +61,8 @@ def _cholesky_vjp(cts, ins, outs, **_):
     # The op leaves the strict upper triangle unspecified; the factor is its lower triangle.
     (ct,), l = cts, jnp.tril(outs[0])
     inner = _phi(_mm(_T(l), ct))
-    left = _solve(l, inner, left_side=True, lower=True, transpose_a=True)  # L^-T phi(L^T ct)
-    return [_solve(l, left, left_side=False, lower=True, conjugate_a=True)]  # ... conj(L)^-1
+    left = _tri_solve(l, inner, left_side=True, lower=True, transpose_a=True)  # L^-T phi(L^T ct)
+    return [_tri_solve(l, left, left_side=False, lower=True, conjugate_a=True)]  # ... conj(L)^-1
 
 
 defvjp("cholesky", _cholesky_vjp)
@@ -74,7 +74,7 @@ def _triangular_solve_vjp(cts, ins, outs, *, left_side, lower, transpose_a, conj
     """ct_B solves the transposed system; dX = -op(A)^-1 op(dA) X, so ct_op(A) = -ct_B X^T
     (left) or -X^T ct_B (right), mapped back through op and onto the triangle the op reads."""
     (ct,), (a, _b), (x,) = cts, ins, outs
-    ct_b = _solve(a, ct, left_side=left_side, lower=lower, transpose_a=not transpose_a,
+    ct_b = _tri_solve(a, ct, left_side=left_side, lower=lower, transpose_a=not transpose_a,
                   conjugate_a=conjugate_a, unit_diagonal=unit_diagonal)
     ct_op_a = -(_mm(ct_b, _T(x)) if left_side else _mm(_T(x), ct_b))
     ct_a = _T(ct_op_a) if transpose_a else ct_op_a
@@ -104,8 +104,8 @@ def _lu_vjp(cts, ins, outs):
     (ct, _, _), (_lu, _, permutation) = cts, outs
     l, u = _lu_factors(_lu)
     ct_y = jnp.tril(_mm(_T(l), ct), -1) + jnp.triu(_mm(ct, _T(u)))
-    ct_y = _solve(u, ct_y, left_side=False, lower=False, transpose_a=True)  # ... U^-T
-    ct_pa = _solve(l, ct_y, left_side=True, lower=True, transpose_a=True, unit_diagonal=True)
+    ct_y = _tri_solve(u, ct_y, left_side=False, lower=False, transpose_a=True)  # ... U^-T
+    ct_pa = _tri_solve(l, ct_y, left_side=True, lower=True, transpose_a=True, unit_diagonal=True)
     inverse = jnp.argsort(permutation, axis=-1)  # row i of P A is row permutation[i] of A
     return [jnp.take_along_axis(ct_pa, inverse[..., :, None], axis=-2)]
 
@@ -124,7 +124,7 @@ def _thin_qr_vjp(q, r, ct_q, ct_r):
     if jnp.iscomplexobj(a):
         ct_c = ct_c + _eye(n, a.dtype) * (1j * jnp.imag(a)).astype(a.dtype)
     ct_d = ct_q + _mm(jnp.conj(q), ct_c)
-    return _solve(r, ct_d, left_side=False, lower=False, transpose_a=True)  # ct_D R^-T
+    return _tri_solve(r, ct_d, left_side=False, lower=False, transpose_a=True)  # ct_D R^-T
 
 
 def _full_qr_extra_columns(q, ct_q_extra, n):
