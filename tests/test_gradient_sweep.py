@@ -9,8 +9,8 @@ apart) is differentiated by jgraph (`jg.backward`) and by `jax.value_and_grad`:
   matches central finite differences (it does better than JAX: scatter-mul with duplicates).
 
 The default run takes SAMPLE (a row or two per family); `-m slow` runs every row in both
-precisions. `python tests/test_gradient_sweep.py` prints the count table per family and the
-failures with their cause.
+precisions. `python tests/test_gradient_sweep.py` (from the repository root, jgraph importable)
+prints the count table per family and the failures with their cause.
 """
 
 from __future__ import annotations

@@ -197,6 +197,20 @@ def test_vjp_f64_and_finite_differences(row):
     jg.testing.check_grads(row.fd_fn or row.fn, _inputs(row, np.float64, seed=4))
 
 
+_SECOND_ORDER = {"cholesky", "svd-tall"}  # the others run with -m slow
+
+
+@pytest.mark.f64
+@pytest.mark.parametrize("row", [
+    pytest.param(r, marks=() if r.name in _SECOND_ORDER else pytest.mark.slow)
+    for r in ROWS if r.name in _SECOND_ORDER | {"eigh", "qr-tall", "lu-square", "solve", "inv",
+                                                 "rfft-irfft", "cumlogsumexp", "scatter-mul"}],
+    ids=_row_id)
+def test_second_order_finite_differences(row):
+    """jgraph's backward of jgraph's backward: the rules' own eqns differentiate correctly."""
+    jg.testing.check_grads(row.fd_fn or row.fn, _inputs(row, np.float64, seed=6), order=2)
+
+
 # -- complex inputs: the rules' conjugation conventions, through jg.to_jax -------------------------
 def _complex(*shape):
     return lambda rng: general(*shape)(rng) + 1j * rng.standard_normal(shape)
