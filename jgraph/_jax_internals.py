@@ -9,7 +9,8 @@ of deep inside a trace. `pyproject.toml` pins JAX to the minor release these wer
 
 from __future__ import annotations
 
-from jax._src import ad_util
+import jax
+from jax._src import ad_util, xla_bridge
 from jax._src.lax import windowed_reductions
 
 # A cotangent the user's custom_vjp bwd declares zero (`jax.custom_vjp` passes symbolic zeros as
@@ -20,6 +21,13 @@ SymbolicZero = ad_util.Zero
 # export (JAX's own reduce_window_max VJP is built from them).
 select_and_scatter_add = windowed_reductions._select_and_scatter_add
 select_and_gather_add = windowed_reductions._select_and_gather_add
+
+
+
+def compile_platform() -> str:
+    """The lowering name of the default backend ("cpu", "cuda", "rocm", "tpu", ...), as
+    `lax.platform_dependent` names its branches (JAX's alias table is internal)."""
+    return xla_bridge.canonicalize_platform(jax.default_backend())
 
 
 # -- param layouts of higher-order primitives (jaxpr eqn params are not a public API) -------------
@@ -74,6 +82,7 @@ def check() -> None:
             (windowed_reductions, "_select_and_scatter_add"),
         "jax._src.lax.windowed_reductions._select_and_gather_add":
             (windowed_reductions, "_select_and_gather_add"),
+        "jax._src.xla_bridge.canonicalize_platform": (xla_bridge, "canonicalize_platform"),
         "jax._src.custom_derivatives.custom_jvp_call_p": (custom_derivatives, "custom_jvp_call_p"),
         "jax._src.custom_derivatives.custom_vjp_call_p": (custom_derivatives, "custom_vjp_call_p"),
         "jax._src.lax.control_flow.loops.scan_p": (loops, "scan_p"),

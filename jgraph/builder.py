@@ -32,8 +32,9 @@ from jgraph.ir import Eqn, Graph, Literal, Region, ShapedArray, Var, literal_of
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
-# Higher-order primitives carried whole as opaque ops (only valid off the gradient path).
-OPAQUE_HIGHER_ORDER = frozenset({"while", "cond"})
+# Higher-order primitives carried whole as ops: their sub-jaxprs stay JAX's (`while` and `cond`
+# are opaque, valid only off the gradient path; `custom_linear_solve` has a VJP rule).
+CARRIED_WHOLE = frozenset({"while", "cond", "custom_linear_solve"})
 
 
 def source_line(jaxpr_eqn) -> str:
@@ -137,13 +138,17 @@ class Builder:
             effects = ", ".join(sorted(map(str, eqn.effects)))
             raise TraceError(f"primitive {name!r} has side effects ({effects}), which jgraph does "
                              f"not support, at {self.source}")
-        if name not in OPAQUE_HIGHER_ORDER and _has_subjaxpr(eqn.params):
+        if name not in CARRIED_WHOLE and _has_subjaxpr(eqn.params):
             raise TraceError(f"higher-order primitive {name!r} is not supported by jgraph, at "
                              f"{self.source}")
-        if name not in ops.lowerings:
+        return self.carry(eqn, inputs)
+
+    def carry(self, eqn, inputs) -> list:
+        """Emit a jaxpr eqn as the op of its primitive's name (registered if new)."""
+        if eqn.primitive.name not in ops.lowerings:
             ops.defprim(eqn.primitive)
         # The jaxpr already holds the output avals: no need to run the shape rule again.
-        return self.emit(name, inputs, eqn.params, [v.aval for v in eqn.outvars])
+        return self.emit(eqn.primitive.name, inputs, eqn.params, [v.aval for v in eqn.outvars])
 
     def enter_region(self, policy, prevent_cse, name) -> Region:
         parent = self.regions[-1] if self.regions else None

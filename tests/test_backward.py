@@ -206,7 +206,7 @@ def test_error_no_param():
 
 @pytest.mark.parametrize("fn, op", [
     (lambda w: jnp.sum(lax.igamma(w, w + 1.0)), "igamma"),
-    (lambda w: jnp.sum(lax.cumlogsumexp(w)), "cumlogsumexp"),
+    (lambda w: jnp.sum(lax.igammac(w, w + 1.0)), "igammac"),
 ])
 def test_error_missing_rule_names_op_and_user_line(fn, op):
     g = jg.trace(fn, jnp.linspace(1, 2, 3), param_argnums=0)

@@ -66,13 +66,18 @@ def test_finite_differences_exhaustive(pair):
 
 
 # Rule-table keys that no JAX primitive is named (aliases of `copy`, `scatter-add`).
-ALIASES = {"copy_p": "copy", "scatter_add": "scatter-add"}
+ALIASES = {"copy_p": "copy", "scatter_add": "scatter-add", "scatter_mul": "scatter-mul"}
 # Ops that only a backward graph contains: the case whose finite differences run their rules.
 HIGHER_ORDER = {"select_and_gather_add": "reduce_window_max:squared, order 3"}
 
 
 def test_every_rule_has_a_family():
+    """Every rule is checked against jax.vjp and finite differences: by a family here, or by a
+    row of the linear-algebra/FFT/long-tail table (tests/test_ops_linalg.py)."""
+    from test_ops_linalg import COMPLEX_ROWS, ROWS
+
     covered = {op for case in CASES for op in case.ops + case.backward_ops}
+    covered |= {row.op for row in ROWS + COMPLEX_ROWS}
     by_id = {case.id: case for case in CASES}
     for case_id in HIGHER_ORDER.values():
         assert by_id[case_id].order == 3

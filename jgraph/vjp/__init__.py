@@ -7,7 +7,7 @@ what they emit is ordinary IR. Families share helpers (`defunary`, `defbinary`, 
 Where cheap, a rule uses the same formula as JAX's, so that gradients agree bitwise.
 
 The rules live by op family in the submodules (`elementwise`, `structural`, `indexing`,
-`contractions`, `reductions`); importing this package registers them all.
+`contractions`, `reductions`, `linalg`, `fft`); importing this package registers them all.
 
 Ops in NON_DIFFERENTIABLE have no floating outputs that depend differentiably on their inputs
 (their gradient is zero, as in JAX); ops in CUTS_GRADIENT stop gradient flow. Any other op met on
@@ -129,16 +129,20 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_derivatives  # noqa: E402,F401  (the custom_jvp/vjp_call ops)
+from jgraph import custom_derivatives, platform_dependent  # noqa: E402,F401  (tracer handlers)
 from jgraph.vjp import (  # noqa: E402
     contractions,
     custom,
     elementwise,
+    fft,
     indexing,
+    linalg,
+    linear_solve,
     reductions,
     structural,
 )
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
-           "custom", "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "indexing",
-           "reductions", "structural", "unbroadcast", "vjp_rules"]
+           "custom", "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "fft",
+           "indexing", "linalg", "linear_solve", "reductions", "structural", "unbroadcast",
+           "vjp_rules"]

@@ -172,3 +172,36 @@ def _dynamic_update_slice_vjp(cts, ins, outs, **_):
 
 
 defvjp("dynamic_update_slice", _dynamic_update_slice_vjp)
+
+
+# -- scatter-mul: y[i] = x[i] * (product of the updates scattered to i) --------------------------
+def _scatter_mul_vjp(cts, ins, outs, *, dimension_numbers, update_jaxpr=None, update_consts=(),
+                     **params):
+    """ct_x multiplies ct by the same products. An update's cotangent is ct * x at its target
+    times the product of the *other* updates to that target (duplicate indices included): the
+    product of the target's nonzero updates divided by this one, or, when this one is the
+    target's only zero, that product itself (exact at zeros)."""
+    (ct,), (x, indices, updates) = cts, ins
+    d = dimension_numbers
+
+    def scatter(prim, operand, values):
+        return prim(operand, indices, values, d, indices_are_sorted=params["indices_are_sorted"],
+                    unique_indices=params["unique_indices"], mode=params["mode"])
+
+    def at_updates(t):  # the value at each update's target
+        return _gather_of_updates(t, indices, updates, d, params)
+
+    ct_x = scatter(lax.scatter_mul, ct, updates)
+    is_zero = updates == 0
+    nonzero = jnp.where(is_zero, jnp.ones_like(updates), updates)
+    product = at_updates(scatter(lax.scatter_mul, jnp.ones_like(x), nonzero))
+    zeros = at_updates(scatter(lax.scatter_add, jnp.zeros(x.shape, ct.real.dtype),
+                               is_zero.astype(ct.real.dtype)))
+    none = jnp.zeros_like(product)
+    others = jnp.where(is_zero, jnp.where(zeros == 1, product, none),
+                       jnp.where(zeros == 0, product / nonzero, none))
+    return [ct_x, None, at_updates(ct * x) * others]
+
+
+defvjp("scatter-mul", _scatter_mul_vjp)
+defvjp("scatter_mul", _scatter_mul_vjp)

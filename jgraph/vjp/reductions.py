@@ -231,3 +231,7 @@ def _select_and_scatter_add_vjp(cts, ins, outs, *, select_prim, window_dimension
 
 
 defvjp("select_and_scatter_add", _select_and_scatter_add_vjp)
+
+
+# -- cumlogsumexp: differentiates the associative scan of logaddexp that defines it (as JAX) -----
+defvjp("cumlogsumexp", functools.partial(_cumulative_vjp, jnp.logaddexp))

@@ -99,3 +99,11 @@ def _split_vjp(cts, ins, outs, *, axis, **_):
 
 
 defvjp("split", _split_vjp)
+
+
+# -- unstack: the cotangents of the slices, stacked back along the axis --------------------------
+def _unstack_vjp(cts, ins, outs, *, axis):
+    return [lax.concatenate([lax.expand_dims(ct, (axis,)) for ct in cts], axis)]
+
+
+defvjp("unstack", _unstack_vjp)
