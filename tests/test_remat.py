@@ -459,3 +459,25 @@ def test_budget_nothing_can_meet_is_an_error_naming_the_best_peak():
     loss, params, x = small_chain(segment=4)
     with pytest.raises(TransformError, match="smallest estimated peak"):
         jg.remat(joint(loss, params, x), budget=16)
+
+
+KEEP = jnp.asarray(int(0.9 * 2**32), jnp.uint32)
+
+
+def test_budget_plan_on_a_graph_carrying_prng_keys():
+    """The budget planner sizes every value, new-style PRNG keys included (dropout's keys)."""
+    def loss(ws, x, key):
+        h = x
+        for w, k in zip(ws, jax.random.split(key, len(ws)), strict=True):
+            h = jnp.tanh(h @ w)
+            keep = jax.random.bits(k, h.shape) < KEEP  # dropout, without float literals
+            h = jnp.where(keep, h, jnp.zeros_like(h))
+        return jnp.mean(h * h)
+
+    ws, x = [jnp.eye(8, dtype=F32) * 0.5] * 6, jnp.ones((64, 8), F32)
+    args = (ws, x, jax.random.key(0))
+    gb = joint(loss, *args)
+    budget = jg.memory(gb).peak_bytes * 3 // 4
+    gr = jg.remat(gb, budget=budget)
+    assert recomputed(gr, "random_bits") and jg.memory(gr).peak_bytes <= budget
+    assert_remat_exact(gb, gr, args, loss)
