@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jgraph.errors import TransformError
 from jgraph.interpreter import flatten_args, last_uses
 from jgraph.ir import Graph, Var, short_aval
 from jgraph.lower import Lowering
@@ -30,8 +31,18 @@ from jgraph.lower import Lowering
 STATE_ROLES = ("param", "accumulator", "opt_state", "counter")
 
 
+def itemsize(dtype) -> int:
+    """Bytes per element of a numpy dtype or of one of JAX's extended dtypes (a PRNG key's is its
+    key data's: 8 bytes for `key<fry>`), which numpy cannot interpret."""
+    size = getattr(dtype, "itemsize", None)
+    if size is None:
+        raise TransformError(f"jgraph.memory: cannot size elements of dtype {dtype}: it has no "
+                             f"itemsize")
+    return int(size)
+
+
 def nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * itemsize(aval.dtype)
 
 
 @dataclass(frozen=True)

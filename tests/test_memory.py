@@ -97,6 +97,25 @@ def test_compiled_memory_of_a_graph_that_updates_its_params():
     assert xla.alias_bytes >= 3 * 48  # params and both adam moments are written in place
 
 
+def dropout_loss(w, key):  # new-style PRNG keys, as equinox and flax nnx dropout carry them
+    keys = jax.random.split(key, 4)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (3,)))(keys)
+    return jnp.sum(jnp.where(keep, jnp.tanh(w), jnp.zeros_like(w)) ** 2)
+
+
+def test_memory_sizes_prng_key_values():
+    """A `key<fry>` value is sized as its key data (numpy cannot interpret the dtype)."""
+    w, key = jnp.ones((4, 3), F32), jax.random.key(0)
+    g = jg.trace(dropout_loss, w, key, param_argnums=0)
+    rep = jg.memory(g)
+    assert rep.argument_bytes == w.nbytes + key.nbytes == 48 + 8
+    assert g.eqns[0].op == "random_split"
+    assert rep.live_bytes[0] == jax.random.split(key, 4).nbytes == 32
+    gb = jg.backward(g)
+    assert jg.memory(gb).peak_bytes > 0
+    assert jg.compiled_memory(gb, w, key).argument_bytes == 48 + 8
+
+
 # -- the bars of the issue (DESIGN §5 shapes, XLA:CPU default flags) -------------------------------
 def temp_mib(compiled_step, *args):
     return compiled_step.lower(*args).compile().memory_analysis().temp_size_in_bytes / MIB

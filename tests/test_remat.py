@@ -476,3 +476,25 @@ def test_a_policy_that_is_not_a_policy_is_an_error():
         jg.remat(gb, policy="dots_saveable")
     with pytest.raises(jg.TransformError, match=r"cannot be called as policy\(prim"):
         jg.remat(gb, policy=lambda: True)
+
+
+KEEP = jnp.asarray(int(0.9 * 2**32), jnp.uint32)
+
+
+def test_budget_plan_on_a_graph_carrying_prng_keys():
+    """The budget planner sizes every value, new-style PRNG keys included (dropout's keys)."""
+    def loss(ws, x, key):
+        h = x
+        for w, k in zip(ws, jax.random.split(key, len(ws)), strict=True):
+            h = jnp.tanh(h @ w)
+            keep = jax.random.bits(k, h.shape) < KEEP  # dropout, without float literals
+            h = jnp.where(keep, h, jnp.zeros_like(h))
+        return jnp.mean(h * h)
+
+    ws, x = [jnp.eye(8, dtype=F32) * 0.5] * 6, jnp.ones((64, 8), F32)
+    args = (ws, x, jax.random.key(0))
+    gb = joint(loss, *args)
+    budget = jg.memory(gb).peak_bytes * 3 // 4
+    gr = jg.remat(gb, budget=budget)
+    assert recomputed(gr, "random_bits") and jg.memory(gr).peak_bytes <= budget
+    assert_remat_exact(gb, gr, args, loss)
