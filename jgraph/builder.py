@@ -6,7 +6,8 @@ traced once per (rule, params, input avals) by `jax.make_jaxpr`, then inlined. S
 JAX code, and what it emits is IR that later transforms can see and rewrite.
 
 Higher-order primitives are rewritten by handlers (`_HANDLERS`, keyed by primitive name): nested
-`jit` and `custom_jvp_call` are inlined (the primal body), `checkpoint` becomes a recorded region
+`jit` is inlined, `custom_jvp_call` and `custom_vjp_call` are inlined with an op carrying the
+user's rule (`jgraph.custom_jvp`, `jgraph.custom_vjp`), `checkpoint` becomes a recorded region
 around its inlined body, `scan` is unrolled. `while` and `cond` are carried whole as opaque ops.
 Any other higher-order or effectful primitive is a `TraceError` naming it and the user's line.
 """
@@ -23,7 +24,7 @@ from jax.extend import core as jex_core
 
 from jgraph import ops
 from jgraph.errors import TraceError
-from jgraph.ir import Eqn, Literal, Region, Var
+from jgraph.ir import Eqn, Literal, Region, Var, literal_of
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
@@ -101,11 +102,11 @@ class Builder:
 
         def read(v):
             if isinstance(v, jex_core.Literal):
-                return Literal(v.val, v.aval)
+                return literal_of(v.val, v.aval)
             return env[v]
 
         for v, c in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = c if isinstance(c, (Var, Literal)) else Literal(c, v.aval)
+            env[v] = c if isinstance(c, (Var, Literal)) else literal_of(c, v.aval)
         for v, a in zip(jaxpr.invars, inputs, strict=True):
             env[v] = a
         saved_source = self.source
@@ -184,7 +185,7 @@ def _inline_call(b: Builder, eqn, inputs):
     return b.inline(jaxpr, consts, inputs)
 
 
-for _name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call"):
+for _name in ("jit", "pjit", "closed_call", "core_call"):
     _HANDLERS[_name] = _inline_call
 
 

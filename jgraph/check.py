@@ -14,7 +14,7 @@ import numpy as np
 
 from jgraph import ops
 from jgraph.errors import GraphError
-from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, Graph, Literal, Var, short_aval
+from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, Graph, Literal, Var, is_extended, short_aval
 from jgraph.printing import eqn_lines, var_name
 
 
@@ -85,11 +85,11 @@ def _where(graph: Graph, i: int) -> str:
 
 
 def _check_literal(graph: Graph, i: int, k: int, lit: Literal) -> None:
-    value = np.asarray(lit.value)
-    if value.shape != lit.aval.shape or value.dtype != lit.aval.dtype:
+    value = lit.value if is_extended(lit.aval.dtype) else np.asarray(lit.value)
+    shape, dtype = np.shape(value), getattr(value, "dtype", None)
+    if shape != lit.aval.shape or dtype != lit.aval.dtype:
         raise GraphError(f"{_where(graph, i)}: literal input {k} holds a "
-                         f"{value.dtype}{list(value.shape)} value but its aval is "
-                         f"{short_aval(lit.aval)}")
+                         f"{dtype}{list(shape)} value but its aval is {short_aval(lit.aval)}")
 
 
 def _check_regions(graph: Graph) -> None:

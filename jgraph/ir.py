@@ -44,7 +44,7 @@ class Var:
 
 @dataclass(frozen=True, eq=False)
 class Literal:
-    value: Any  # a numpy scalar or array (closed-over constants are literals too)
+    value: Any  # a numpy scalar or array of `aval`'s dtype (closed-over constants are literals too)
     aval: ShapedArray  # abstract value of `value`
 
     def __repr__(self):
@@ -117,9 +117,26 @@ def literal(value, dtype=None) -> Literal:
     return Literal(arr[()] if arr.ndim == 0 else arr, aval)
 
 
+def literal_of(value, aval) -> Literal:
+    """A literal of `aval` holding `value` as a numpy value of the aval's dtype.
+
+    JAX hands the tracer typed Python scalars (`TypedFloat`, `TypedInt`) and device arrays; taken
+    as they are, `np.asarray` would widen the scalars to 64 bits. Extended dtypes (PRNG keys),
+    which numpy cannot hold, keep their JAX value."""
+    if not is_extended(aval.dtype):
+        value = np.asarray(value, dtype=aval.dtype)
+        value = value[()] if value.ndim == 0 else value
+    return Literal(value, aval)
+
+
 def short_aval(aval) -> str:
     """`f32[3,4]`, as jaxprs print avals."""
     return aval.str_short(short_dtypes=True)
+
+
+def is_extended(dtype) -> bool:
+    """PRNG key and other extended dtypes, which numpy cannot represent."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def is_float(aval) -> bool:

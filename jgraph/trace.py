@@ -1,7 +1,8 @@
 """`trace`: an ordinary JAX function -> a forward `Graph`.
 
 The function is traced by `jax.make_jaxpr` on its flattened arguments; each JAX primitive becomes an
-op (see `jgraph.builder` for how nested `jit`, `custom_jvp`, `checkpoint` and `scan` are rewritten).
+op (see `jgraph.builder` for how nested `jit`, `custom_jvp`, `custom_vjp`, `checkpoint` and `scan`
+are rewritten).
 Leaves of the arguments in `param_argnums` get the role `param`, all others `data`. The output is
 the `loss` if it is a single floating scalar (or the first element of `(loss, aux)` with `has_aux`);
 any other output is `aux`.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from models import BY_NAME, MODELS
@@ -19,10 +20,9 @@ import jgraph as jg
 from jgraph import vjp
 from jgraph.lower import as_function
 
-# Models whose gradients are not bitwise JAX's, and why: jgraph differentiates the primal body of a
-# custom_jvp function (gelu, softplus, ... are custom_jvp in jax.nn) where JAX uses the custom
-# rule; `scan` is unrolled, so XLA fuses the loop body differently.
-NOT_BITWISE = {"activations": "custom_jvp bodies", "scan_layers": "scan unrolled"}
+# Models whose gradients are not bitwise JAX's, and why: `scan` is unrolled, so XLA fuses the loop
+# body differently.
+NOT_BITWISE = {"scan_layers": "scan unrolled"}
 QUICK = {"xla_backend_optimization_level": 0}  # compile options: 18 models, compiled once each
 
 
@@ -59,6 +59,7 @@ def _loss_only(spec):
     return (lambda *a: spec.fn(*a)[0]) if spec.has_aux else spec.fn
 
 
+@pytest.mark.f64
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
 def test_corpus_check_grads_order2_float64(spec):
     jg.testing.check_grads(_loss_only(spec), spec.args(seed=1, dtype=jnp.float64), order=2)
@@ -291,3 +292,69 @@ def test_custom_vjp_closed_over_param_is_an_error_not_a_zero_gradient():
     g = jg.trace(_closing_custom_vjp_loss, w, x, param_argnums=0)
     with pytest.raises(jg.TransformError, match="closed-over value"):
         jg.backward(g)
+
+
+# -- custom_jvp: the user's JVP rule, linearized and transposed -------------------------------------
+_AT_ZERO = {  # functions whose custom_jvp rule differs from their primal body's derivative at 0
+    "relu": lambda w: jnp.sum(jax.nn.relu(w) * jnp.array([1.0, 2.0, 3.0])),
+    "softplus": lambda w: jnp.sum(jax.nn.softplus(w)),
+    "log_sigmoid": lambda w: jnp.sum(jax.nn.log_sigmoid(w)),
+    "sigmoid_bce": lambda w: jnp.sum(optax.sigmoid_binary_cross_entropy(
+        w, jnp.array([1.0, 0.0, 1.0]))),
+    "logaddexp": lambda w: jnp.sum(jnp.logaddexp(w, jnp.zeros(3))),
+    "sinc": lambda w: jnp.sum(jnp.sinc(w)),
+}
+_EXPECTED_AT_ZERO = {"relu": [0.0, 0.0, 0.0], "softplus": [0.5] * 3, "log_sigmoid": [0.5] * 3,
+                     "sigmoid_bce": [-0.5, 0.5, -0.5], "logaddexp": [0.5] * 3,
+                     "sinc": [0.0] * 3}
+
+
+@pytest.mark.parametrize("name", sorted(_AT_ZERO))
+def test_custom_jvp_rule_is_honoured_at_zero(name):
+    f, w = _AT_ZERO[name], jnp.zeros(3)
+    g = jg.check(jg.trace(f, w, param_argnums=0))
+    assert "custom_jvp_call" in {e.op for e in g.eqns}
+    value, grad = jg.compile(jg.check(jg.backward(g)))(w)
+    want_value, want_grad = jax.value_and_grad(f)(w)
+    np.testing.assert_array_equal(value, want_value)
+    np.testing.assert_array_equal(grad, want_grad)
+    np.testing.assert_allclose(grad, _EXPECTED_AT_ZERO[name], atol=1e-7)  # by hand
+
+
+def test_custom_jvp_forward_is_the_primal_body_bitwise():
+    x = jnp.linspace(-3.0, 3.0, 11)
+    f = lambda x: jnp.sum(jax.nn.gelu(x) + jax.nn.softplus(x))
+    g = jg.trace(f, x, param_argnums=0)
+    np.testing.assert_array_equal(jg.compile(g)(x), jax.jit(f)(x))
+
+
+@jax.custom_jvp
+def _clipped_identity(x, n):  # an integer argument, and a rule unlike the body's derivative
+    return jnp.clip(x, -1.0, 1.0) * n
+
+
+_clipped_identity.defjvp(lambda primals, tangents: (
+    _clipped_identity(*primals), tangents[0] * 2.0 * primals[1]))
+
+
+@pytest.mark.f64
+def test_custom_jvp_with_integer_argument_and_second_order():
+    f = lambda x: jnp.sum(jnp.sin(_clipped_identity(x, 3)) ** 2)
+    x = jnp.array([0.3, -2.0, 5.0])
+    value, grad = jg.compile(jg.backward(jg.trace(f, x, param_argnums=0)))(x)
+    want_value, want_grad = jax.value_and_grad(f)(x)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-12)
+    jg.testing.check_grads(lambda x: jnp.sum(jax.nn.gelu(x) * jnp.tanh(x)), (x,), order=2)
+
+
+def test_custom_jvp_closing_over_a_param_is_an_error():
+    def f(w, x):
+        @jax.custom_jvp
+        def scale(x):
+            return x * w
+
+        scale.defjvp(lambda p, t: (scale(*p), t[0] * w))
+        return jnp.sum(scale(x))
+
+    with pytest.raises(jg.TransformError, match="closed-over"):
+        jg.backward(jg.trace(f, jnp.ones(2), jnp.ones(2), param_argnums=0))

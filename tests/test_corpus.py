@@ -40,6 +40,15 @@ def test_corpus_covers_the_required_models():
     assert len(BY_NAME) == len(MODELS)  # names are unique
 
 
+@pytest.mark.f64
+@pytest.mark.parametrize("spec", MODELS, ids=IDS)
+def test_corpus_traces_and_checks_in_float64(spec):
+    """With x64 on (the f64 marker), the same models trace to graphs `check` accepts."""
+    args = spec.args(seed=0, dtype=jnp.float64)
+    g = jg.check(_trace(spec, args))
+    jg.check(jg.backward(g))
+
+
 @pytest.mark.parametrize("spec", MODELS, ids=IDS)
 def test_compiled_equals_jit_bitwise(spec):
     args = spec.args(seed=0, dtype=jnp.float32)
@@ -56,7 +65,8 @@ EVALUATED = {"f32": {"mlp", "causal_attention", "cnn_pool_window", "embedding", 
              "f64": {"layer_norm", "scan_layers"}}
 EVAL_CASES = [
     pytest.param(spec, dtype, id=f"{spec.name}-{tag}",
-                 marks=[] if spec.name in EVALUATED[tag] else [pytest.mark.slow])
+                 marks=([] if spec.name in EVALUATED[tag] else [pytest.mark.slow])
+                 + ([pytest.mark.f64] if tag == "f64" else []))
     for spec in MODELS for dtype, tag in ((jnp.float32, "f32"), (jnp.float64, "f64"))
 ]
 

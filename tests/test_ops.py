@@ -38,7 +38,11 @@ class OpSpec:
     tags: frozenset = field(default_factory=frozenset)  # "shapes": hypothesis may vary shapes
 
 
-_IDX = np.array([2, 0, 2, 1])
+_IDX = np.array([2, 0, 2, 1], np.int32)
+
+
+def _narrower(dtype):
+    return jnp.float32 if dtype == jnp.float64 else jnp.bfloat16
 _SCATTER_DN = lax.ScatterDimensionNumbers((1,), (0,), (0,))
 _VARY = frozenset({"shapes"})
 QUICK = {"xla_backend_optimization_level": 0}  # compile options: these tests compile ~200 times
@@ -129,7 +133,8 @@ SPECS = [
     OpSpec("lgamma", jax.scipy.special.gammaln, lo=0.5, hi=3.0),
     OpSpec("digamma", jax.scipy.special.digamma, lo=0.5, hi=3.0),
     OpSpec("copy", lambda x: lax.copy_p.bind(x)),
-    OpSpec("convert_element_type", lambda x: x.astype(jnp.float64).sum(0)),
+    OpSpec("convert_element_type", lambda x: x.astype(_narrower(x.dtype)).astype(x.dtype).sum(0),
+           rtol=1e-2, fd_rtol=1e-2),
     OpSpec("reduce_precision", lambda x: lax.reduce_precision(x, 8, 23), fd_rtol=1e-3),
     OpSpec("name", lambda x: jax.ad_checkpoint.checkpoint_name(x * x, "h")),
     OpSpec("optimization_barrier", lambda x: lax.optimization_barrier((x, 2 * x))[1]),
@@ -221,45 +226,59 @@ def _vjp_loss(fn):
     return lambda xs, ct: jnp.sum(fn(*xs) * ct)
 
 
-def _check_row(spec, shapes=None, seed=0, finite_differences=False):
-    """Forward vs jnp and jg.backward vs jax.vjp in float32; with `finite_differences`, also
-    jgraph's float64 gradient along a random direction vs central differences. One compile."""
+def _check_row(spec, shapes=None, seed=0):
+    """Forward vs jnp and jg.backward vs jax.vjp in float32, with JAX's defaults (x64 off): one
+    compile."""
     xs = _args(spec, np.float32, seed, shapes)
     y = jax.eval_shape(spec.fn, *xs)
-    rng = np.random.default_rng(seed + 1)
-    ct = rng.standard_normal(y.shape).astype(y.dtype)
+    ct = np.random.default_rng(seed + 1).standard_normal(y.shape).astype(y.dtype)
     g = jg.trace(_vjp_loss(spec.fn), xs, ct, param_argnums=0)
     assert spec.op in {e.op for e in g.eqns}, f"{spec.op} not in the traced graph"
-    gb = jg.backward(g)
-    jg.check(gb)
-    xs64 = _args(spec, np.float64, seed + 2, shapes)
-    u = [rng.standard_normal(x.shape) for x in xs64]
-    gb64 = jg.backward(jg.trace(_vjp_loss(spec.fn), xs64, ct.astype(np.float64),
-                                param_argnums=0))
-    eps = 1e-4
+    gb = jg.check(jg.backward(jg.check(g)))
 
-    def row(xs, ct, xs64, u):
+    def row(xs, ct):
         ours, theirs = as_function(gb)(xs, ct), jax.vjp(spec.fn, *xs)[1](ct)
-        if not finite_differences:
-            return ours, theirs, jnp.sum(spec.fn(*xs) * ct), 0.0, 0.0
-        loss64 = _vjp_loss(spec.fn)
-        plus = loss64([x + eps * d for x, d in zip(xs64, u, strict=True)], ct.astype(jnp.float64))
-        minus = loss64([x - eps * d for x, d in zip(xs64, u, strict=True)], ct.astype(jnp.float64))
-        grads64 = as_function(gb64)(xs64, ct.astype(jnp.float64))[1]
-        directional = sum(jnp.vdot(a, d) for a, d in zip(grads64, u, strict=True))
-        return ours, theirs, jnp.sum(spec.fn(*xs) * ct), directional, (plus - minus) / (2 * eps)
+        return ours, theirs, jnp.sum(spec.fn(*xs) * ct)
 
-    compiled = jax.jit(row).lower(xs, ct, xs64, u).compile(QUICK)
-    (value, grads), vjp_ref, value_ref, directional, numeric = compiled(xs, ct, xs64, u)
+    compiled = jax.jit(row).lower(xs, ct).compile(QUICK)
+    (value, grads), vjp_ref, value_ref = compiled(xs, ct)
     np.testing.assert_allclose(value, value_ref, rtol=1e-5)  # sums may reassociate
     for got, want in zip(grads, vjp_ref, strict=True):
         np.testing.assert_allclose(got, want, rtol=spec.rtol, atol=spec.rtol)
+
+
+def _check_row_finite_differences(spec, seed=0):
+    """jgraph's float64 gradient along a random direction vs central differences (x64 on)."""
+    assert jax.config.jax_enable_x64
+    xs64 = _args(spec, np.float64, seed + 2)
+    y = jax.eval_shape(spec.fn, *xs64)
+    rng = np.random.default_rng(seed + 1)
+    ct = rng.standard_normal(y.shape).astype(y.dtype)
+    u = [rng.standard_normal(x.shape) for x in xs64]
+    gb64 = jg.check(jg.backward(jg.trace(_vjp_loss(spec.fn), xs64, ct, param_argnums=0)))
+    eps = 1e-4
+
+    def row(xs64, ct, u):
+        loss64 = _vjp_loss(spec.fn)
+        plus = loss64([x + eps * d for x, d in zip(xs64, u, strict=True)], ct)
+        minus = loss64([x - eps * d for x, d in zip(xs64, u, strict=True)], ct)
+        grads64 = as_function(gb64)(xs64, ct)[1]
+        directional = sum(jnp.vdot(a, d) for a, d in zip(grads64, u, strict=True))
+        return directional, (plus - minus) / (2 * eps)
+
+    directional, numeric = jax.jit(row).lower(xs64, ct, u).compile(QUICK)(xs64, ct, u)
     np.testing.assert_allclose(directional, numeric, rtol=spec.fd_rtol, atol=spec.fd_rtol / 10)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_row_id)
 def test_op_row(spec):
-    _check_row(spec, finite_differences=True)
+    _check_row(spec)
+
+
+@pytest.mark.f64
+@pytest.mark.parametrize("spec", SPECS, ids=_row_id)
+def test_op_row_finite_differences(spec):
+    _check_row_finite_differences(spec)
 
 
 _TRANSPOSED = [s for s in SPECS if s.op in ("conv_general_dilated", "reduce_window_sum")]
@@ -278,6 +297,7 @@ def test_windowed_gradients_bitwise_equal_jax(spec):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.f64
 def test_check_grads_on_op_rows():
     for spec in (SPECS[0], SPECS[-1]):  # jg.testing.check_grads itself, on a plain and a custom op
         jg.testing.check_grads(spec.fn, _args(spec, np.float64, seed=3), order=2)

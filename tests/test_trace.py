@@ -6,6 +6,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
@@ -150,12 +151,14 @@ def odd_sin(x):
 odd_sin.defjvp(lambda primals, tangents: (odd_sin(primals[0]), 100.0 * tangents[0]))
 
 
-def test_custom_jvp_uses_the_primal_body():
-    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32))
-    assert "custom_jvp_call" not in ops_of(g)
-    assert ops_of(g) == ["max", "sin", "reduce_sum"]
+def test_custom_jvp_is_its_primal_body_and_an_op_with_the_users_rule():
+    g = jg.trace(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))), jnp.ones(3, f32), param_argnums=0)
+    assert ops_of(g) == ["max", "custom_jvp_call", "sin", "custom_jvp_call", "reduce_sum"]
     x = jnp.array([-1.0, 0.5, 2.0], f32)
     np.testing.assert_array_equal(jg.evaluate(g, x), jnp.sum(jnp.sin(jnp.maximum(x, 0.0))))
+    grad = jg.compile(jg.backward(g))(x)[1]  # odd_sin's rule: 100 * t; relu'(x) = x > 0
+    np.testing.assert_array_equal(grad, [0.0, 100.0, 100.0])
+    np.testing.assert_array_equal(grad, jax.grad(lambda x: jnp.sum(odd_sin(jax.nn.relu(x))))(x))
 
 
 def block(x):
@@ -312,3 +315,43 @@ def test_outputs_may_be_inputs_or_constants():
     for got in (jg.compile(g)(x), jg.evaluate(g, x)):
         assert_tree_equal(got, want)
         assert got[1].dtype == want[1].dtype and got[1].shape == ()
+
+
+# -- JAX's defaults (x64 off): typed Python-scalar literals ------------------------------------
+def _dropout(p, x):
+    keep = jax.random.bernoulli(jax.random.PRNGKey(0), 0.5, (x.shape[0], p.shape[1]))
+    return jnp.mean(jnp.where(keep, (x @ p) / 0.5, 0.0))
+
+
+def _adam_step(p, x):
+    tx = optax.adam(1e-3)
+    grads = jax.grad(lambda p: jnp.sum((x @ p) ** 2))(p)
+    updates, _ = tx.update(grads, tx.init(p), p)
+    return jnp.sum(optax.apply_updates(p, updates))
+
+
+X64_OFF_CASES = {
+    "attention_mask": lambda p, x: jnp.mean(jnp.where(x @ p > 0, x @ p, -1e9)),
+    "xent_integer_labels": lambda p, x: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(x @ p, jnp.array([0, 2]))),
+    "dropout_where": _dropout,
+    "add_int_literal": lambda p, x: jnp.sum(x @ p + 2),
+    "adam_step": _adam_step,
+}
+
+
+@pytest.mark.parametrize("name", sorted(X64_OFF_CASES))
+def test_check_accepts_typed_scalar_literals_with_x64_off(name):
+    assert not jax.config.jax_enable_x64
+    fn = X64_OFF_CASES[name]
+    p, x = jnp.full((3, 4), 0.1), jnp.arange(6.0).reshape(2, 3)
+    g = jg.check(jg.trace(fn, p, x, param_argnums=0))
+    for eqn in g.eqns:  # every literal holds a numpy value of exactly its aval's dtype
+        for a in eqn.inputs:
+            if isinstance(a, jg.Literal):
+                assert np.asarray(a.value).dtype == a.aval.dtype, (eqn.op, a)
+    gb = jg.check(jg.backward(g))
+    value, grad = jg.compile(gb)(p, x)
+    want_value, want_grad = jax.value_and_grad(fn)(p, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)

@@ -81,8 +81,8 @@ def apply_rule(b, eqn, out_cts, needed=None):
                 raise TransformError(
                     f"op {eqn.op!r} gives its input {k} no cotangent, but that input needs a "
                     f"gradient" + (f" at {eqn.source}" if eqn.source else "")
-                    + " (for custom_vjp: a closed-over value on the gradient path; pass it as an "
-                    "argument or use jax.closure_convert)")
+                    + " (for custom_jvp/custom_vjp: a closed-over value on the gradient path; "
+                    "pass it as an argument or use jax.closure_convert)")
     cts = list(out_cts)
     for k, ct in enumerate(cts):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
@@ -130,7 +130,7 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_vjp  # noqa: E402,F401  (the custom_vjp_call op and its rule)
+from jgraph import custom_jvp, custom_vjp  # noqa: E402,F401  (custom_jvp/vjp_call ops and rules)
 from jgraph.vjp import contractions, elementwise, indexing, reductions, structural  # noqa: E402
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
