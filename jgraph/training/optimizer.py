@@ -52,6 +52,16 @@ from jgraph.training.arguments import (
 from jgraph.training.graphs import grad_params, grads_tree, tuple_tree
 from jgraph.training.guard import STATE_ROLES, guard_nonfinite
 from jgraph.training.interrupts import held_sigint
+from jgraph.training.leaves import (
+    check_leaves,
+    deleted,
+    dtype_of,
+    fresh_copy,
+    has_keys,
+    merge_keys,
+    signature,
+    split_keys,
+)
 from jgraph.training.losses import NEEDS_LABELS, class_count, loss_function, ndata_of
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.reset import reset
@@ -95,34 +105,6 @@ _SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
 _MAX_SHARED_BUILDS = 64
 
 
-def _dtype(a):
-    """The dtype of an array-like leaf; JAX's extended dtypes (typed PRNG keys) are kept."""
-    dtype = getattr(a, "dtype", None)
-    return dtype if dtype is not None else np.asarray(a).dtype
-
-
-def _is_key(dtype) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _check_leaves(tree, what: str) -> None:
-    """Every leaf of `tree` is an array of booleans, numbers or typed PRNG keys."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        try:
-            dtype = _dtype(leaf)
-        except (TypeError, ValueError):
-            dtype = None
-        if dtype is None or not (_is_key(dtype) or jnp.issubdtype(dtype, jnp.number)
-                                 or jnp.issubdtype(dtype, jnp.bool_)):
-            raise ArgumentError(f"{what}{jax.tree_util.keystr(path)} must be an array of "
-                                f"numbers (or PRNG keys), got {type(leaf).__name__} of dtype "
-                                f"{dtype}")
-
-
-def _signature(x, y):
-    return tuple((tuple(np.shape(a)), str(_dtype(a))) for a in jax.tree.leaves((x, y)))
-
-
 def _apply_remat(graph: Graph, remat):
     if remat is None or remat is False:
         return graph
@@ -150,18 +132,6 @@ def update_only(grad_graph: Graph) -> Graph:
                  info={"grads_tree": tree})
 
 
-def _copy_leaf(a):
-    if isinstance(a, jax.Array) and _is_key(a.dtype):  # typed PRNG keys: copy the key data
-        data = jax.device_put(np.array(jax.random.key_data(a)))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
-    return jax.device_put(np.array(a))  # through the host: no compiled copy per shape
-
-
-def _copy(tree):
-    """Fresh device buffers (donating them never deletes the caller's arrays)."""
-    return jax.tree.map(_copy_leaf, tree)
-
-
 def _present(graph: Graph, roles) -> tuple:
     """The state roles of `roles` whose new values `graph` outputs."""
     return tuple(r for r in roles if "new_" + r in graph.output_roles)
@@ -176,8 +146,9 @@ def _guard(graph: Graph, mode: str) -> Graph:
     return guard_nonfinite(graph, keep=_present(graph, keep))
 
 
-def _deleted(tree) -> bool:
-    return any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(tree))
+def _with_keys(fn):
+    """`fn` for params without their keys, the keys coming with the inputs."""
+    return lambda params, inputs: fn(merge_keys(params, inputs[1]), inputs[0])
 
 
 class Optimizer:
@@ -202,12 +173,17 @@ class Optimizer:
         self._builds: dict[tuple, _Build] = {}
         self._last: _Build | None = None
         self._latest: TrainState | None = None
+        self._keyed = False  # the params hold typed PRNG keys (set by init)
         self._params_shape = None
         self._counters: dict[int, jax.Array] = {}  # micro-step index -> device scalar
 
     # -- building -------------------------------------------------------------------------------
     def _build(self, params, x, y) -> _Build:
-        loss_fn, has_aux = loss_function(self.fn, self.loss)
+        model = self.fn
+        if has_keys(params):  # keys in params are not trained: the graphs take them as data
+            params, keys = split_keys(params)
+            model, x = _with_keys(self.fn), (x, keys)
+        loss_fn, has_aux = loss_function(model, self.loss)
         args = (params, x) if y is None else (params, x, y)
         fwd = trace(loss_fn, *args, param_argnums=0, has_aux=has_aux)
         grad = _apply_remat(backward(fwd), self.remat)
@@ -215,8 +191,9 @@ class Optimizer:
             grad = accumulate(grad, self.period, self.loss)
         opt = optimizer_step(grad, self.tx)
         mode = self.on_nonfinite
-        graphs = {"forward": fwd, "grad": _guard(grad, mode), "opt": _guard(opt, mode),
-                  "reset": reset(opt)}
+        # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
+        graphs = {"forward": fwd, "grad": _guard(grad, "ignore" if mode == "skip" else mode),
+                  "opt": _guard(opt, mode), "reset": reset(opt)}
         nargs = len(args)
         donate = self.static
         if self.period > 1:  # grad: (*args, acc, counter); opt: (*args, acc, counter, opt_state)
@@ -231,17 +208,17 @@ class Optimizer:
                            donate_argnums=opt_donate if donate else ()),
             "reset": jax.jit(as_function(graphs["reset"])),
         }
-        nclasses = class_count(self.fn, self.loss, params, x, y)
-        return _Build(graphs, executables, ndata_of(self.fn, params, x), nclasses, grad)
+        nclasses = class_count(model, self.loss, params, x, y)
+        return _Build(graphs, executables, ndata_of(model, params, x), nclasses, grad)
 
     def _for(self, x, y) -> _Build:
         if self.needs_labels and y is None:
             raise JGraphError(f"loss {self.loss!r} needs labels")
         if not self.needs_labels:
             y = None
-        _check_leaves(x, "inputs")
-        _check_leaves(y, "labels")
-        key = _signature(x, y)
+        check_leaves(x, "inputs")
+        check_leaves(y, "labels")
+        key = signature((x, y))
         build = self._builds.get(key)
         if build is None:
             if self._params_shape is None:
@@ -276,8 +253,16 @@ class Optimizer:
             self._counters[i] = jax.device_put(np.int32(i))
         return self._counters[i]
 
-    def _data(self, x, y):
+    def _data(self, x, y, keys=None):
+        x = x if keys is None else (x, keys)
         return (x, y) if self.needs_labels else (x,)
+
+    def _split(self, params):
+        """`(trainable params, PRNG keys among them or None)`."""
+        return split_keys(params) if self._keyed else (params, None)
+
+    def _merge(self, params, keys):
+        return params if keys is None else merge_keys(params, keys)
 
     def _check_labels(self, build: _Build, labels) -> None:
         """Class ids on the host must lie in [0, nclasses): one-hot encoding would silently turn
@@ -325,15 +310,17 @@ class Optimizer:
     # -- the ggml_opt_* operations ----------------------------------------------------------------
     def init(self, params, example_inputs, example_labels=None) -> TrainState:
         """Build (and in static mode compile) the graphs; return the reset state for `params`."""
-        _check_leaves(params, "params")
-        self._params_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a)),
-                                          params)
+        check_leaves(params, "params")
+        self._params_shape = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), params)
+        self._keyed = has_keys(params)
         self._builds.clear()
         build = self._for(example_inputs, example_labels)
         lead = jax.tree.leaves(example_inputs)[0]
         self.batch_size = int(np.shape(lead)[0]) if np.ndim(lead) else 1
-        fresh = build.executables["reset"](params)
-        state = TrainState(_copy(params), fresh["opt_state"], fresh.get("grad_acc"), np.int32(0))
+        fresh = build.executables["reset"](self._split(params)[0])
+        state = TrainState(fresh_copy(params), fresh["opt_state"], fresh.get("grad_acc"),
+                           np.int32(0))
         build.state_template = jax.tree.map(
             lambda a: a if isinstance(a, np.ndarray | np.generic) else jax.ShapeDtypeStruct(
                 a.shape, a.dtype), state)
@@ -343,39 +330,42 @@ class Optimizer:
         """One backward micro-step; on the last micro-step of a period also the optimizer step."""
         build = self._for(inputs, labels)
         self._check_labels(build, labels)
-        ex, data = build.executables, self._data(inputs, labels)
         i = self._micro_step(state, "Optimizer.step")
-        raising = self.on_nonfinite == "raise"
+        trainable, keys = self._split(state.params)
+        ex, data = build.executables, self._data(inputs, labels, keys)
+        name = "opt" if i + 1 == self.period else "grad"
+        guarded = build.graphs[name].info.get("finite_output") is not None
+        raising = guarded and self.on_nonfinite == "raise"
         with held_sigint():  # from the donating call until the new state is recorded
             if self.period == 1:
-                res = self._run(ex["opt"], state, state.params, *data, state.opt_state)
+                res = self._run(ex["opt"], state, trainable, *data, state.opt_state)
                 value, _, params, opt_state = res[:4]
-                new = TrainState(params, opt_state, None, np.int32(0))
-            elif i + 1 == self.period:
-                res = self._run(ex["opt"], state, state.params, *data, state.grad_acc,
+                new = TrainState(self._merge(params, keys), opt_state, None, np.int32(0))
+            elif name == "opt":
+                res = self._run(ex["opt"], state, trainable, *data, state.grad_acc,
                                 self._counter(i), state.opt_state)
                 value, acc, _, params, opt_state = res[:5]
-                new = TrainState(params, opt_state, acc, np.int32(0))
+                new = TrainState(self._merge(params, keys), opt_state, acc, np.int32(0))
             else:
-                res = self._run(ex["grad"], state, state.params, *data, state.grad_acc,
+                res = self._run(ex["grad"], state, trainable, *data, state.grad_acc,
                                 self._counter(i))
                 value, acc, _ = res[:3]
                 new = state._replace(grad_acc=acc, counter=np.int32(i + 1))
-            finite = res[-1] if self.on_nonfinite != "ignore" else None
-            if raising and not bool(finite):  # the graph kept the old values
-                self._record(new._replace(counter=np.int32(i)))
-            else:
-                self._record(new)
+            finite = res[-1] if guarded else None
+            if raising:  # one bool per step; a Ctrl-C could not interrupt this wait anyway
+                finite = bool(finite)
+                if not finite:  # the graph kept the old values; so does the counter
+                    new = new._replace(counter=np.int32(i))
+            self._record(new)
         if raising:
-            self._raise_if_nonfinite(bool(finite), f"micro-step {i} of period {self.period}")
-            finite = True
+            self._raise_if_nonfinite(finite, f"micro-step {i} of period {self.period}")
         return new, self._output(value, build, self.period, finite)
 
     def _run(self, executable, state, *args):
         try:
             return executable(*args)
         except RuntimeError as e:
-            if _deleted(state):
+            if deleted(state):
                 raise ArgumentError("Optimizer: this state's buffers were donated to a later step "
                                     "and deleted; continue from the state that step returned "
                                     "(or `opt.latest_state`)") from e
@@ -393,15 +383,16 @@ class Optimizer:
         """Forward only: the loss (and predictions) at the current params; state is unchanged."""
         build = self._for(inputs, labels)
         self._check_labels(build, labels)
-        value = self._run(build.executables["forward"], state, state.params,
-                          *self._data(inputs, labels))
+        trainable, keys = self._split(state.params)
+        value = self._run(build.executables["forward"], state, trainable,
+                          *self._data(inputs, labels, keys))
         return self._output(value, build, 1)
 
     def reset(self, state: TrainState, optimizer: bool = False) -> TrainState:
         """ggml_opt_reset: zero accumulators and the counter; with `optimizer`, also `tx.init`."""
         if self._last is None:
             raise JGraphError("Optimizer.reset: call init first")
-        fresh = self._run(self._last.executables["reset"], state, state.params)
+        fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0])
         new = state._replace(grad_acc=fresh.get("grad_acc"), counter=np.int32(0))
         return self._record(new._replace(opt_state=fresh["opt_state"]) if optimizer else new)
 
@@ -445,9 +436,10 @@ class Optimizer:
         ys = labels_stack if self.needs_labels else None
         self._check_labels(self._last, ys)
         with held_sigint():
+            trainable, keys = self._split(state.params)
             params, acc, opt_state, value, finite = self._run(
-                run, state, state.params, state.grad_acc, state.opt_state, inputs_stack, ys)
-            new = TrainState(params, opt_state, acc, np.int32(0))
+                run, state, trainable, state.grad_acc, state.opt_state, inputs_stack, ys, keys)
+            new = TrainState(self._merge(params, keys), opt_state, acc, np.int32(0))
             self._record(new)
             if self.on_nonfinite == "raise":
                 finite = bool(finite)
@@ -479,21 +471,25 @@ class Optimizer:
                                                            self.tx), mode)
             update_f = as_function(build.graphs["update"])
 
-        def data(xs, ys, i):
+        def data(xs, ys, i, keys):
             pick = lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-            return (jax.tree.map(pick, xs),) + ((jax.tree.map(pick, ys),) if labelled else ())
+            x = jax.tree.map(pick, xs)
+            x = x if keys is None else (x, keys)
+            return (x,) + ((jax.tree.map(pick, ys),) if labelled else ())
 
         guarded = mode != "ignore"
 
-        def run(params, acc, opt_state, xs, ys):
+        def run(params, acc, opt_state, xs, ys, keys=None):
             if period == 1:
-                out = opt_f(params, *data(xs, ys, 0), opt_state)
+                out = opt_f(params, *data(xs, ys, 0, keys), opt_state)
                 value, _, params, opt_state = out[:4]
                 finite = out[-1] if guarded else jnp.bool_(True)
                 return params, acc, opt_state, jax.tree.map(lambda v: v[None], value), finite
 
             def body(carry, batch):
                 acc, counter = carry
+                if keys is not None:
+                    batch = ((batch[0], keys),) + tuple(batch[1:])
                 value, acc, counter = grad_f(params, *batch, acc, counter)
                 return (acc, counter), value
 
@@ -529,9 +525,9 @@ class Optimizer:
         state = state._replace(counter=np.int32(self._micro_step(state, what)))
         for (path, leaf), like in zip(jax.tree_util.tree_flatten_with_path(state)[0],
                                       jax.tree.leaves(template), strict=True):
-            if tuple(np.shape(leaf)) != tuple(like.shape) or _dtype(leaf) != like.dtype:
+            if tuple(np.shape(leaf)) != tuple(like.shape) or dtype_of(leaf) != like.dtype:
                 raise ArgumentError(f"{what}: state{jax.tree_util.keystr(path)} is "
-                                    f"{_dtype(leaf)}{list(np.shape(leaf))}, expected "
+                                    f"{dtype_of(leaf)}{list(np.shape(leaf))}, expected "
                                     f"{like.dtype}{list(like.shape)}")
         return state
 

@@ -140,10 +140,9 @@ def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    created = False
-    try:
+    replaced = False
+    try:  # an interrupt anywhere in here leaves no temporary: the cleanup tolerates every state
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        created = True
         digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as f:
             for part in (MAGIC, _FIXED.pack(FORMAT_VERSION, len(header)), header, *chunks):
@@ -153,10 +152,10 @@ def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        created = False
+        replaced = True
     finally:
-        if created:
-            with contextlib.suppress(OSError):
+        if not replaced:
+            with contextlib.suppress(OSError):  # absent if open failed or replace succeeded
                 os.unlink(tmp)
     with contextlib.suppress(OSError):  # make the rename durable (not possible everywhere)
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -289,13 +288,16 @@ def _describe(a) -> str:
 
 def read_state(path, template, nshards: int | None = None, meta=None):
     """`(state, permutation or None, header)`: a state shaped like `template` (a pytree of arrays
-    or ShapeDtypeStructs; NumPy leaves stay on the host), read and checked; nothing is mutated."""
+    or ShapeDtypeStructs; NumPy leaves stay on the host), read and checked; nothing is mutated.
+    With `nshards`, the file must hold a dataset order of that many shards; without, a stored
+    order is ignored."""
     header, arrays = read_state_file(path)
     check_meta(header, meta or {}, path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
     want = [jax.tree_util.keystr(p) for p, _ in flat] + (["dataset"] if nshards is not None
                                                           else [])
-    missing, unexpected = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
+    found = set(arrays) - ({"dataset"} if nshards is None else set())  # an order not asked for
+    missing, unexpected = sorted(set(want) - found), sorted(found - set(want))
     if missing or unexpected:
         raise StateFileError(f"{path} is the state of another model or optimizer: it lacks "
                              f"leaves {missing} and has unexpected leaves {unexpected}")
