@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jgraph.errors import JGraphError
-from jgraph.training.arguments import integer, numeric_array, positive_int
+from jgraph.training.arguments import ArgumentError, integer, numeric_array, positive_int
 
 
 class Dataset:
@@ -64,7 +64,11 @@ class Dataset:
                                   f"shard size {self.shard_size} and at most {self.ndata}")
             n = idata // self.shard_size
         if n > 1:
-            order = np.asarray(jax.random.permutation(key, n))
+            try:
+                order = np.asarray(jax.random.permutation(key, n))
+            except (TypeError, ValueError) as e:
+                raise ArgumentError(f"Dataset.shuffle: key must be a JAX PRNG key "
+                                    f"(jax.random.key or PRNGKey), got {key!r:.60}") from e
             self.permutation[:n] = self.permutation[:n][order]
         return self
 

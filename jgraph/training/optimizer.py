@@ -364,7 +364,7 @@ class Optimizer:
     def _run(self, executable, state, *args):
         try:
             return executable(*args)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # what jax raises for a deleted buffer
             if deleted(state):
                 raise ArgumentError("Optimizer: this state's buffers were donated to a later step "
                                     "and deleted; continue from the state that step returned "

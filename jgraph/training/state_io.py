@@ -298,6 +298,8 @@ def read_state(path, template, nshards: int | None = None, meta=None):
                                                           else [])
     found = set(arrays) - ({"dataset"} if nshards is None else set())  # an order not asked for
     missing, unexpected = sorted(set(want) - found), sorted(found - set(want))
+    if missing == ["dataset"] and not unexpected:
+        raise StateFileError(f"{path} holds no dataset order (it was saved without `dataset=`)")
     if missing or unexpected:
         raise StateFileError(f"{path} is the state of another model or optimizer: it lacks "
                              f"leaves {missing} and has unexpected leaves {unexpected}")
