@@ -17,10 +17,10 @@ import threading
 import time
 from pathlib import Path
 
+import interrupt_children as children
 import numpy as np
 import pytest
 
-import interrupt_children as children
 from jgraph.training.state_io import read_state_file, save_state
 
 HERE = Path(__file__).parent

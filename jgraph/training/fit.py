@@ -277,7 +277,8 @@ class _Run:
                     + ". on_nonfinite='skip' drops such steps and goes on.", state),
                     state, history) from e
             except KeyboardInterrupt as e:  # a second Ctrl-C: abort at once, write nothing
-                raise _attach(e, opt.latest_state, history)
+                _attach(e, opt.latest_state, history)
+                raise
         history.state = state
         self.save(state, pos, history)
         return state.params, history

@@ -52,7 +52,7 @@ class held_sigint:  # noqa: N801 - used as a context manager, like contextlib's 
 
 
 class StopRequest:
-    """`with StopRequest() as stop:` ... `if stop.requested: ...` — Ctrl-C asks, Ctrl-C again aborts."""
+    """`with StopRequest() as stop: ... if stop.requested: ...`; Ctrl-C asks, again aborts."""
 
     def __init__(self, note: str = "stopping after this step (Ctrl-C again to abort)"):
         self.note = note

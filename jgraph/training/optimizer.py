@@ -444,16 +444,17 @@ class Optimizer:
             if self.on_nonfinite == "raise":
                 finite = bool(finite)
         if self.on_nonfinite == "raise":
-            self._raise_if_nonfinite(finite, f"the period run by step_period")
+            self._raise_if_nonfinite(finite, "the period run by step_period")
         return new, self._output(value, self._last, self.period,
                                  None if self.on_nonfinite == "ignore" else finite)
 
     def period_function(self, inputs_stack, labels_stack=None):
-        """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack) -> (params,
-        grad_acc, opt_state, stacked outputs, finite)` behind `step_period` (`.lower(...)` it to read
-        XLA's memory figures). All three state parts are donated (static mode); the outputs come
-        in the order of the inputs, because jax pairs donated buffers with outputs of the same
-        shape in order: any other order makes XLA copy every state buffer into its place."""
+        """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack[, keys]) ->
+        (params, grad_acc, opt_state, stacked outputs, finite)` behind `step_period` (`.lower(...)`
+        it to read XLA's memory figures). All three state parts are donated (static mode); the
+        outputs come in the order of the inputs, because jax pairs donated buffers with outputs of
+        the same shape in order: any other order makes XLA copy every state buffer into its
+        place."""
         index = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731 - one example batch
         build = self._for(index(inputs_stack), None if labels_stack is None else
                           index(labels_stack))
