@@ -58,13 +58,14 @@ class Child:
         return err or ""
 
 
-def interrupt(child: Child, count: int, max_gap: float, seed: int) -> dict:
-    """Send `count` SIGINTs at random moments; tally the child's answers."""
+def interrupt(child: Child, count: int, gaps: tuple, seed: int, finish: bool = False) -> dict:
+    """Send `count` SIGINTs at random moments (`gaps`: seconds after the previous answer); tally
+    the child's answers. With `finish`, then wait for the child to finish a run uninterrupted."""
     rng = random.Random(seed)
     tally = {"sigint": 0, "ok": 0, "early": 0, "done": 0, "done_same": 0, "resent": 0, "lost": 0}
     assert child.expect(timeout=240) == "ready", child.close()
     while tally["sigint"] < count:
-        time.sleep(rng.uniform(0.0005, max_gap))
+        time.sleep(rng.uniform(*gaps))
         child.proc.send_signal(signal.SIGINT)
         tally["sigint"] += 1
         answer = child.expect(timeout=5)
@@ -81,13 +82,19 @@ def interrupt(child: Child, count: int, max_gap: float, seed: int) -> dict:
         kind = answer.split()[0]
         tally["lost" if kind == "LOST" else kind] += 1
         assert kind != "LOST", (answer, tally, child.close())
+    while finish:
+        answer = child.expect(timeout=120)
+        assert answer is not None and answer.startswith("done"), (answer, tally, child.close())
+        tally["done"] += 1
+        tally["done_same"] += answer == "done True"
+        finish = False
     return tally
 
 
 def loop_counts(tmp_path, period, count, seed):
     child = Child("loop", period, 300, tmp_path / "state.jgs")
     try:
-        return interrupt(child, count, max_gap=0.03, seed=seed)
+        return interrupt(child, count, (0.0005, 0.03), seed=seed)
     finally:
         child.close()
 
@@ -95,7 +102,7 @@ def loop_counts(tmp_path, period, count, seed):
 def fit_counts(tmp_path, count, seed):
     child = Child("fit", 6, tmp_path / "ckpt.jgs")
     try:
-        tally = interrupt(child, count, max_gap=0.08, seed=seed)
+        tally = interrupt(child, count, (0.01, 0.2), seed=seed, finish=True)
         assert tally["done"] == tally["done_same"], tally  # every resumed chain is bitwise
         return tally
     finally:
@@ -112,8 +119,8 @@ def test_sigint_in_a_static_step_loop_never_loses_the_state(tmp_path, period):
 def test_sigint_in_fit_stops_cleanly_and_resumes_bitwise(tmp_path):
     tally = fit_counts(tmp_path, 30, seed=7)
     print(f"\nfit: {tally}")
-    assert tally["lost"] == 0 and tally["ok"] + tally["early"] == 30 and tally["ok"] >= 15
-    assert tally["done"] >= 1  # at least one chain of resumed runs finished, bitwise
+    assert tally["lost"] == 0 and tally["ok"] + tally["early"] == 30 and tally["ok"] >= 5
+    assert tally["done"] >= 1  # chains of resumed runs finished, each bitwise
 
 
 @pytest.mark.slow

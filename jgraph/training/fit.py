@@ -252,35 +252,41 @@ class _Run:
             raise _Stop
 
     def run(self, state, pos: Position, history: History):
-        plan, opt = self.plan, self.opt
         with StopRequest() as self.stop:
             try:
-                while pos.epoch <= self.epochs:
-                    state = self.one_epoch(state, pos, history)
-                self.check_stop()
-            except _Stop:
-                state = opt.latest_state
-                self.save(state, pos, history)
-                raise _attach(KeyboardInterrupt(
-                    f"fit stopped by Ctrl-C in epoch {pos.epoch} after {pos.batch} of "
-                    f"{plan.ntrain} training batches; state, params and history are attached"
-                    + (f" and saved to {self.path}" if self.path else "")),
-                    state, history) from None
-            except NonFiniteError as e:
-                state = opt.latest_state
-                self.save(state, pos, history)
-                raise _attach(NonFiniteError(
-                    f"fit: non-finite loss, gradient or update in epoch {pos.epoch}, training "
-                    f"batch {pos.batch + 1} of {plan.ntrain} (micro-step {pos.step + 1} of the "
-                    f"run); the step was dropped: the attached state, params and history are the "
-                    f"last finite ones" + (f", saved to {self.path}" if self.path else "")
-                    + ". on_nonfinite='skip' drops such steps and goes on.", state),
-                    state, history) from e
-            except KeyboardInterrupt as e:  # a second Ctrl-C: abort at once, write nothing
-                _attach(e, opt.latest_state, history)
+                return self._loop(state, pos, history)
+            except KeyboardInterrupt as e:  # also a second Ctrl-C: abort at once, write nothing
+                if not hasattr(e, "state"):
+                    _attach(e, self.opt.latest_state, history)
                 raise
-        history.state = state
-        self.save(state, pos, history)
+
+    def _loop(self, state, pos: Position, history: History):
+        plan, opt = self.plan, self.opt
+        try:
+            while pos.epoch <= self.epochs:
+                state = self.one_epoch(state, pos, history)
+            self.check_stop()
+            history.state = state
+            self.save(state, pos, history)  # the final checkpoint; a Ctrl-C only asks
+            self.check_stop()
+        except _Stop:
+            state = opt.latest_state
+            self.save(state, pos, history)
+            where = ("after its last epoch" if pos.epoch > self.epochs else
+                     f"in epoch {pos.epoch} after {pos.batch} of {plan.ntrain} training batches")
+            raise _attach(KeyboardInterrupt(
+                f"fit stopped by Ctrl-C {where}; state, params and history are attached"
+                + (f" and saved to {self.path}" if self.path else "")), state, history) from None
+        except NonFiniteError as e:
+            state = opt.latest_state
+            self.save(state, pos, history)
+            raise _attach(NonFiniteError(
+                f"fit: non-finite loss, gradient or update in epoch {pos.epoch}, training "
+                f"batch {pos.batch + 1} of {plan.ntrain} (micro-step {pos.step + 1} of the "
+                f"run); the step was dropped: the attached state, params and history are the "
+                f"last finite ones" + (f", saved to {self.path}" if self.path else "")
+                + ". on_nonfinite='skip' drops such steps and goes on.", state),
+                state, history) from e
         return state.params, history
 
     def one_epoch(self, state, pos: Position, history: History):

@@ -17,6 +17,11 @@ import signal
 import sys
 import threading
 
+try:  # the C module: `signal.signal` wraps it in enum conversions that cost a step microseconds
+    from _signal import signal as _set_handler
+except ImportError:  # pragma: no cover - not CPython
+    _set_handler = signal.signal
+
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
@@ -37,7 +42,7 @@ class held_sigint:  # noqa: N801 - used as a context manager, like contextlib's 
         self.pending = None
         self.previous = None
         if _in_main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._hold)
+            self.previous = _set_handler(signal.SIGINT, self._hold)
         return self
 
     def _hold(self, signum, frame):
@@ -45,7 +50,7 @@ class held_sigint:  # noqa: N801 - used as a context manager, like contextlib's 
 
     def __exit__(self, *exc) -> bool:
         if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+            _set_handler(signal.SIGINT, self.previous)
             if self.pending is not None:
                 _deliver(self.previous, *self.pending)
         return False

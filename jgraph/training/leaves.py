@@ -46,7 +46,7 @@ def check_leaves(tree, what: str) -> None:
 
 def signature(tree) -> tuple:
     """Shapes and dtypes of the leaves: what a static build is specialised to."""
-    return tuple((tuple(np.shape(a)), str(dtype_of(a))) for a in jax.tree.leaves(tree))
+    return tuple((np.shape(a), dtype_of(a)) for a in jax.tree.leaves(tree))
 
 
 def _copy_leaf(a):

@@ -216,11 +216,11 @@ class Optimizer:
             raise JGraphError(f"loss {self.loss!r} needs labels")
         if not self.needs_labels:
             y = None
-        check_leaves(x, "inputs")
-        check_leaves(y, "labels")
         key = signature((x, y))
         build = self._builds.get(key)
         if build is None:
+            check_leaves(x, "inputs")
+            check_leaves(y, "labels")
             if self._params_shape is None:
                 raise JGraphError("Optimizer: call init(params, example_inputs, ...) first")
             if self.static and self._builds:
@@ -269,9 +269,8 @@ class Optimizer:
         any other id into a zero row. (On the device such ids make the loss NaN, as in optax.)"""
         if build.nclasses is None or not isinstance(labels, np.ndarray) or labels.size == 0:
             return
-        bad = (labels < 0) | (labels >= build.nclasses)
-        if bad.any():
-            at = tuple(int(i) for i in np.argwhere(bad)[0])
+        if labels.min() < 0 or labels.max() >= build.nclasses:
+            at = tuple(int(i) for i in np.argwhere((labels < 0) | (labels >= build.nclasses))[0])
             raise ArgumentError(f"labels must be class ids in [0, {build.nclasses}) for "
                                 f"{self.loss!r} over {build.nclasses} outputs; got "
                                 f"{labels[at]} at index {at}")
@@ -285,6 +284,8 @@ class Optimizer:
     def _micro_step(self, state, what: str) -> int:
         """The state's counter as an int in [0, period) (a Python int is fine)."""
         counter = state.counter
+        if type(counter) is np.int32 and 0 <= counter < self.period:  # what steps produce
+            return int(counter)
         if np.ndim(counter) != 0:
             raise ArgumentError(f"{what}: state.counter must be a scalar, got shape "
                                 f"{np.shape(counter)}")
