@@ -9,6 +9,10 @@ parent interrupts it, and answers every Ctrl-C with one line:
     done SAME      (fit) a chain of resumed runs finished; SAME: it equals the uninterrupted run
     LOST ...       anything else (a state lost, unloadable or different)
 
+Between a Ctrl-C and its answer the child blocks SIGINT (the parent sends the next one only after
+the answer, and a blocked one waits until the child trains again): no Ctrl-C can land in the
+child's own bookkeeping, only in jgraph's code.
+
 MODE `loop`: a static step loop (`opt.step`, donated buffers) saved with `opt.latest_state`.
 MODE `fit`: `jg.fit` with a checkpoint, resumed after every Ctrl-C.
 `save_forever` is the target of a forkserver process: it saves two alternating states until the
@@ -17,6 +21,7 @@ parent kills it (SIGKILL) or interrupts it (SIGINT).
 
 import hashlib
 import os
+import signal
 import sys
 
 import numpy as np
@@ -47,6 +52,10 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+def hold_sigint(hold: bool) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK if hold else signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
 def loop(period: int, nref: int, path: str) -> None:
     import optax
 
@@ -60,25 +69,28 @@ def loop(period: int, nref: int, path: str) -> None:
         state, _ = opt.step(state, x, y)
         index[digest(state)] = k
     state, n = opt.init(P0, x, y), 0
+    hold_sigint(True)
     say("ready")
     while True:
         try:
+            hold_sigint(False)
             while True:
                 if n == nref:
                     state, n = opt.init(P0, x, y), 0
                 state, _ = opt.step(state, x, y)
                 n += 1
         except KeyboardInterrupt:
+            hold_sigint(True)
             latest = opt.latest_state
             want = digest(latest)
             opt.save(latest, path)
             state = opt.load(path)
             k = index.get(digest(state), -1)
             good = digest(state) == want and k >= 0 and abs(k - n) <= 1
+            n = k
             say(f"ok {k} {n}" if good else f"LOST k={k} n={n}")
             if not good:
                 return
-            n = k
 
 
 def fit(epochs: int, path: str) -> None:
@@ -92,15 +104,19 @@ def fit(epochs: int, path: str) -> None:
               physical_batch_size=4, val_split=0.25, progress=False, key=jax.random.PRNGKey(1))
     ref_params, ref_history = jg.fit(model, P0, ds, **kw)
     want = (digest(ref_params), ref_history.train_loss, ref_history.val_loss)
+    hold_sigint(True)
     say("ready")
     while True:
         try:
+            hold_sigint(False)
             params, history = jg.fit(model, P0, ds, checkpoint_path=path, checkpoint_every=2,
                                      **kw)
+            hold_sigint(True)
             same = (digest(params), history.train_loss, history.val_loss) == want
             os.remove(path)
             say(f"done {same}")
         except KeyboardInterrupt as e:
+            hold_sigint(True)
             if not hasattr(e, "state"):  # before fit's loop: nothing trained in this call
                 good = not os.path.exists(path) or _loads(path, ds)
                 say("early" if good else "LOST checkpoint unreadable")
