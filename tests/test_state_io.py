@@ -386,9 +386,10 @@ def test_typed_prng_keys_in_params_and_inputs(tmp_path, period):
 
         ref = {k: v for k, v in p0.items() if k != "rng"}
         opt_state = ADAM.init(ref)
+        grad, update = jax.jit(jax.grad(loss)), jax.jit(ADAM.update)
         for i in range(3):
-            grads = jax.grad(loss)(ref, XS[i], jax.random.key(i), YS[i])
-            updates, opt_state = ADAM.update(grads, opt_state, ref)
+            grads = grad(ref, XS[i], jax.random.key(i), YS[i])
+            updates, opt_state = update(grads, opt_state, ref)
             ref = optax.apply_updates(ref, updates)
         for k in ref:
             np.testing.assert_allclose(state.params[k], ref[k], rtol=2e-5, atol=1e-6)
