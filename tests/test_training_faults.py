@@ -208,6 +208,8 @@ def test_ctrl_c_in_fit_returns_the_state_and_a_rerun_resumes_bitwise(tmp_path):
     assert history.val_accuracy == want_history.val_accuracy
     again, _ = jg.fit(model, P0, jg.Dataset(X, Y), epochs=4, checkpoint_path=path, **KW)
     assert bits(again) == bits(want)  # a finished checkpoint: nothing left to do
+    with pytest.raises(jg.training.ArgumentError, match="has 4 epochs done"):
+        jg.fit(model, P0, jg.Dataset(X, Y), epochs=3, checkpoint_path=path, **KW)
 
 
 def test_a_second_ctrl_c_aborts_at_once_and_writes_nothing(tmp_path):

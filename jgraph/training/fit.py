@@ -107,11 +107,16 @@ class History:
             getattr(self, f"{prefix}_{name}").append(value)
 
     def to_json(self) -> dict:
-        return {name: [float(v) for v in getattr(self, name)] for name in HISTORY_FIELDS}
+        """The per-epoch lists (counts as ints, statistics as floats; NaN is kept)."""
+        kind = lambda name: int if name == "skipped" else float  # noqa: E731
+        return {name: [kind(name)(v) for v in getattr(self, name)] for name in HISTORY_FIELDS}
 
     @classmethod
     def from_json(cls, obj: dict, optimizer=None) -> History:
-        return cls(**{name: list(obj[name]) for name in HISTORY_FIELDS}, optimizer=optimizer)
+        """The inverse of `to_json` (`obj` checked by `fit_state.position_from_json`)."""
+        lists = {name: [int(v) if name == "skipped" else float(v) for v in obj[name]]
+                 for name in HISTORY_FIELDS}
+        return cls(**lists, optimizer=optimizer)
 
 
 def _describe(result: Result) -> str:
@@ -148,8 +153,6 @@ class _ProgressBar:
     def close(self):
         if self.bar is not None:
             self.bar.close()
-
-
 
 
 @dataclass
@@ -232,6 +235,9 @@ class _Run:
                 raise StateFileError(f"{self.path}: field counter is {int(state.counter)}, but "
                                      f"{pos.batch} batches into the epoch it is "
                                      f"{pos.batch % self.plan.period}")
+            if pos.epoch > self.epochs + 1:
+                raise ArgumentError(f"fit: epochs={self.epochs}, but the checkpoint "
+                                    f"{self.path} has {pos.epoch - 1} epochs done")
             return state, pos, History.from_json(pos.history, self.opt)
         pos = Position(config, key)
         if self.plan.batch_size < self.plan.ndata:

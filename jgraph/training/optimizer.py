@@ -20,8 +20,9 @@ Non-finite steps (`on_nonfinite`): "ignore" (the default, as in optax) runs the 
 reads it after every step and, when false, raises `NonFiniteError` with the state as it was before
 the step (the update is dropped in the graph, so nothing is lost to donation). "skip" drops
 non-finite updates of params and optimizer state, as `optax.apply_if_finite` does, without waiting
-for the flag: a period with a non-finite micro-batch makes no update (as `optax.MultiSteps` over
-`apply_if_finite`); `StepOutput.finite` holds the flag.
+for the flag: a period with a non-finite micro-batch makes no update (`apply_if_finite` applied to
+the period's mean gradient), and the next period starts from zeroed accumulators;
+`StepOutput.finite` holds the flag.
 """
 
 from __future__ import annotations
