@@ -58,6 +58,41 @@ class Child:
         return err or ""
 
 
+def test_held_sigint_delivers_after_the_block_and_stop_request_asks_then_aborts():
+    from jgraph.training.interrupts import StopRequest, held_sigint
+
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with held_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs here, and only records the signal
+            done.append(True)
+    assert done == [True] and signal.getsignal(signal.SIGINT) is before
+    with StopRequest(note="") as stop:
+        with held_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        assert stop.requested  # delivered to fit's handler: a request, no exception
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second one aborts
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGINT) is before
+    errors = []
+
+    def in_a_thread():  # signals go to the main thread only: nothing to hold here
+        try:
+            with held_sigint(), StopRequest():
+                pass
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join()
+    assert not errors
+
+
 def interrupt(child: Child, count: int, gaps: tuple, seed: int, finish: bool = False) -> dict:
     """Send `count` SIGINTs at random moments (`gaps`: seconds after the previous answer); tally
     the child's answers. With `finish`, then wait for the child to finish a run uninterrupted."""

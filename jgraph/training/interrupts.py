@@ -7,8 +7,8 @@ handler was installed before, as soon as the window closes (the step is complete
 
 `StopRequest` is what `fit` installs for a whole run: the first Ctrl-C only asks the loop to stop
 at the next step boundary (the loop polls `requested`); a second one raises `KeyboardInterrupt`
-at once. Both work only in the main thread, the only one Python delivers signals to; elsewhere
-they do nothing.
+at once. Both work only in the main thread, the only one Python delivers signals to, and only
+where SIGINT's handler was installed from Python (as it is by default); elsewhere they do nothing.
 """
 
 from __future__ import annotations
@@ -18,30 +18,32 @@ import sys
 import threading
 
 try:  # the C module: `signal.signal` wraps it in enum conversions that cost a step microseconds
+    from _signal import getsignal as _get_handler
     from _signal import signal as _set_handler
 except ImportError:  # pragma: no cover - not CPython
-    _set_handler = signal.signal
+    _get_handler, _set_handler = signal.getsignal, signal.signal
 
 
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+def _can_handle() -> bool:
+    """Main thread, and a SIGINT handler that Python installed (so it can be put back)."""
+    return (threading.current_thread() is threading.main_thread()
+            and _get_handler(signal.SIGINT) is not None)
 
 
 def _deliver(handler, signum, frame) -> None:
     """Run the SIGINT handler that a held signal was meant for."""
     if callable(handler):
         handler(signum, frame)
-    elif handler != signal.SIG_IGN:  # SIG_DFL, or None (installed outside Python)
-        raise KeyboardInterrupt
+    elif handler == signal.SIG_DFL:  # the default action, now that the step is complete
+        signal.raise_signal(signum)
 
 
 class held_sigint:  # noqa: N801 - used as a context manager, like contextlib's helpers
     """Hold SIGINT for the duration of a `with` block; deliver a held one when it ends."""
 
     def __enter__(self):
-        self.pending = None
-        self.previous = None
-        if _in_main_thread():
+        self.pending, self.active = None, _can_handle()
+        if self.active:
             self.previous = _set_handler(signal.SIGINT, self._hold)
         return self
 
@@ -49,7 +51,7 @@ class held_sigint:  # noqa: N801 - used as a context manager, like contextlib's 
         self.pending = (signum, frame)
 
     def __exit__(self, *exc) -> bool:
-        if self.previous is not None:
+        if self.active:
             _set_handler(signal.SIGINT, self.previous)
             if self.pending is not None:
                 _deliver(self.previous, *self.pending)
@@ -62,10 +64,11 @@ class StopRequest:
     def __init__(self, note: str = "stopping after this step (Ctrl-C again to abort)"):
         self.note = note
         self.requested = False
-        self.previous = None
+        self.active = False
 
     def __enter__(self):
-        if _in_main_thread():
+        self.active = _can_handle()
+        if self.active:
             self.previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
@@ -77,6 +80,6 @@ class StopRequest:
             print(f"\njgraph: Ctrl-C: {self.note}", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> bool:
-        if self.previous is not None:
+        if self.active:
             signal.signal(signal.SIGINT, self.previous)
         return False
