@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgraph import vjp
+from jgraph import errors, vjp
 from jgraph.builder import Builder
 from jgraph.errors import TransformError
 from jgraph.ir import Graph, Literal, Var, short_aval
@@ -67,10 +67,11 @@ def backward(graph: Graph) -> Graph:
     if "grad" in graph.output_roles:
         raise TransformError("backward: the graph already has grad outputs")
     loss = _loss_output(graph)
-    params = _params_in_grad_order(graph)
+    params = graph.grad_params()
     if not params:
         raise TransformError("backward: the graph has no 'param' input; pass param_argnums= to "
                              "jg.trace")
+    _check_param_dtypes(graph, params)
     seeds = graph.inputs_with_role("loss_seed")
     accumulators = graph.inputs_with_role("accumulator")
     if accumulators and len(accumulators) != len(params):
@@ -93,6 +94,18 @@ def backward(graph: Graph) -> Graph:
     ))
 
 
+def _check_param_dtypes(graph: Graph, params) -> None:
+    """Params must be floating (real or complex), as `jax.grad` requires: an integer param would
+    otherwise get a silent zero gradient."""
+    paths = dict(zip(graph.inputs, graph.input_paths(), strict=True))
+    for p in params:
+        if not _floating(p.aval.dtype):
+            raise TransformError(
+                f"backward: param args{paths[p]} is {short_aval(p.aval)}; gradients need floating "
+                "params (as jax.grad requires). Pass integer, boolean or key values as data, not "
+                "in the param arguments.")
+
+
 def _backward_eqns(graph, loss, params, seeds, accumulators):
     """The backward eqns, walking the schedule in reverse; returns (grad atoms, eqns)."""
     needs = needs_gradient(graph, loss)
@@ -112,7 +125,9 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
         b.source = eqn.source
         out_cts = [cts.pop(v, None) for v in eqn.outputs]
         needed = [type(x) is Var and x in needs for x in eqn.inputs]
-        for ct, x in zip(vjp.apply_rule(b, eqn, out_cts, needed), eqn.inputs, strict=True):
+        with errors.while_processing("differentiating", eqn, graph):
+            in_cts = vjp.apply_rule(b, eqn, out_cts, needed)
+        for ct, x in zip(in_cts, eqn.inputs, strict=True):
             if ct is not None and type(x) is Var and x in needs:
                 add_ct(x, ct)
 
@@ -126,21 +141,6 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
             g = vjp.emit(b, vjp.add_cotangents, accumulators[k], g)[0]
         grads.append(g)
     return grads, tuple(b.eqns)
-
-
-def _param_argnums(graph: Graph) -> tuple[int, ...] | None:
-    n = graph.param_argnums
-    return None if n is None else (n,) if isinstance(n, int) else tuple(n)
-
-
-def _params_in_grad_order(graph: Graph) -> list[Var]:
-    """Param inputs in the order their grads appear in the output (argnums order)."""
-    argnums = _param_argnums(graph)
-    if argnums is None or graph.in_tree is None:
-        return graph.inputs_with_role("param")
-    sizes = [t.num_leaves for t in graph.in_tree.children()]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [graph.inputs[starts[i] + k] for i in argnums for k in range(sizes[i])]
 
 
 def _value_and_grad_tree(graph: Graph):

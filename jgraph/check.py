@@ -68,6 +68,7 @@ def check(graph: Graph) -> Graph:
         for r in eqn.regions:
             if r not in region_ids:
                 raise GraphError(f"{_where(graph, i)}: refers to unknown checkpoint region {r}")
+    _check_state_outputs(graph)
     for k, a in enumerate(graph.outputs):
         if isinstance(a, Var) and a not in defined:
             raise GraphError(f"graph output {k} ({var_name(graph, a)}@{graph.output_roles[k]}) is "
@@ -90,6 +91,32 @@ def _check_literal(graph: Graph, i: int, k: int, lit: Literal) -> None:
     if shape != lit.aval.shape or dtype != lit.aval.dtype:
         raise GraphError(f"{_where(graph, i)}: literal input {k} holds a "
                          f"{dtype}{list(shape)} value but its aval is {short_aval(lit.aval)}")
+
+
+def _check_state_outputs(graph: Graph) -> None:
+    """Each grad output has its param's shape and dtype (in `param_argnums` order), and each new
+    value of a state input (`new_accumulator`, `new_param`, ...) has that input's."""
+    pairs = []
+    grads = graph.outputs_with_role("grad")
+    if grads:
+        params = graph.grad_params()
+        if len(grads) != len(params):
+            raise GraphError(f"{len(grads)} grad outputs for {len(params)} params")
+        pairs.append(("grad", grads, "param", params))
+    for role in sorted(set(graph.output_roles)):
+        if role.startswith("new_") and role[4:] in graph.input_roles:
+            olds = graph.grad_params() if role == "new_param" else graph.inputs_with_role(role[4:])
+            news = graph.outputs_with_role(role)
+            if len(news) != len(olds):
+                raise GraphError(f"{len(news)} {role} outputs for {len(olds)} {role[4:]} inputs")
+            pairs.append((role, news, role[4:], olds))
+    positions = {id(a): k for k, a in enumerate(graph.outputs)}
+    for out_role, outs, in_role, ins in pairs:
+        for n, (out, inp) in enumerate(zip(outs, ins, strict=True)):
+            if not _same_aval(out.aval, inp.aval):
+                raise GraphError(
+                    f"output {positions[id(out)]} ({out_role} {n}) is {short_aval(out.aval)} but "
+                    f"its {in_role} input {var_name(graph, inp)} is {short_aval(inp.aval)}")
 
 
 def _check_regions(graph: Graph) -> None:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgraph import ops
-from jgraph.errors import JGraphError
+from jgraph.errors import JGraphError, while_processing
 from jgraph.ir import Graph, Literal, Var, short_aval
 
 
@@ -47,7 +47,8 @@ class Interpreter:
         for v, x in zip(graph.inputs, args, strict=True):
             write(v, x)
         for i, eqn in enumerate(graph.eqns):
-            outs = self.eval_eqn(eqn, [read(a) for a in eqn.inputs])
+            with while_processing("evaluating", eqn, graph):
+                outs = self.eval_eqn(eqn, [read(a) for a in eqn.inputs])
             for v, x in zip(eqn.outputs, outs, strict=True):
                 write(v, x)
             for a in eqn.inputs:  # free values after their last use
@@ -67,24 +68,60 @@ class Interpreter:
 def flatten_args(graph: Graph, args) -> list:
     """Flatten call arguments against the graph's inputs: same structure, shapes and dtypes.
 
-    Python scalars (weakly typed values) are converted to the input's dtype."""
+    Python scalars (weakly typed values) are converted to the input's dtype when that loses
+    nothing (an int for a float input, say); a float for an integer input, a complex for a real
+    one or an int out of the dtype's range is an error, never a silent truncation."""
     leaves, tree = jax.tree.flatten(tuple(args))
     if graph.in_tree is not None and tree != graph.in_tree:
-        raise JGraphError(
-            f"arguments do not match the traced signature:\n  expected {graph.in_tree}\n"
-            f"  got      {tree}"
-        )
+        raise JGraphError("arguments do not match the traced signature:\n"
+                          + _tree_difference(graph, args))
     if len(leaves) != len(graph.inputs):
         raise JGraphError(f"graph takes {len(graph.inputs)} flat inputs, got {len(leaves)}")
     for k, (x, v) in enumerate(zip(leaves, graph.inputs, strict=True)):
         if isinstance(x, (bool, int, float, complex)) and v.aval.shape == ():
-            leaves[k] = np.asarray(x, v.aval.dtype)
-        elif getattr(jax.typeof(x), "weak_type", False) and np.shape(x) == v.aval.shape:
+            leaves[k] = _python_scalar(x, v.aval, lambda: _leaf_path(args, k))
+        elif getattr(jax.typeof(x), "weak_type", False) and np.shape(x) == v.aval.shape \
+                and _kind_fits(_dtype(x), v.aval.dtype):
             leaves[k] = jax.lax.convert_element_type(x, v.aval.dtype)  # a Python scalar, jitted
         elif np.shape(x) != v.aval.shape or _dtype(x) != v.aval.dtype:
             raise JGraphError(f"argument {_leaf_path(args, k)} is {_describe(x)} but the traced "
                               f"signature has {short_aval(v.aval)} there")
     return leaves
+
+
+_KIND_ORDER = "biufc"  # bool < signed/unsigned int < float < complex: a value fits rightwards
+
+
+def _kind_fits(src, dst) -> bool:
+    if src is None or jax.dtypes.issubdtype(dst, jax.dtypes.extended):
+        return False
+    return _KIND_ORDER.index(np.dtype(src).kind) <= _KIND_ORDER.index(np.dtype(dst).kind)
+
+
+def _python_scalar(x, aval, path):
+    value = np.asarray(x)
+    if not _kind_fits(value.dtype, aval.dtype):
+        raise JGraphError(f"argument {path()} is the Python {type(x).__name__} {x!r} but the "
+                          f"traced signature has {short_aval(aval)} there (no silent conversion)")
+    if np.dtype(aval.dtype).kind in "iu":
+        info = np.iinfo(aval.dtype)
+        if not info.min <= x <= info.max:
+            raise JGraphError(f"argument {path()} is {x!r}, out of the range of "
+                              f"{short_aval(aval)}")
+    return np.asarray(x, aval.dtype)
+
+
+def _tree_difference(graph: Graph, args) -> str:
+    """Expected vs got, per leaf path: the leaves that are missing, unexpected or different."""
+    expected = dict(zip(graph.input_paths(), graph.inputs, strict=True))
+    got = {"" + jax.tree_util.keystr(p): x
+           for p, x in jax.tree_util.tree_flatten_with_path(tuple(args))[0]}
+    lines = [f"  expected {graph.in_tree}", f"  got      {jax.tree.structure(tuple(args))}"]
+    for path in expected.keys() - got.keys():
+        lines.append(f"  missing    args{path}: expected {short_aval(expected[path].aval)}")
+    for path in got.keys() - expected.keys():
+        lines.append(f"  unexpected args{path}: {_describe(got[path])}")
+    return "\n".join(sorted(lines[:2]) + sorted(lines[2:]))
 
 
 def _dtype(x):
@@ -101,7 +138,9 @@ def _leaf_path(args, k: int) -> str:
 
 def _describe(x) -> str:
     try:
-        return short_aval(jax.typeof(x))
+        aval = jax.typeof(x)
+        weak = " (weakly typed: a Python scalar)" if getattr(aval, "weak_type", False) else ""
+        return short_aval(aval) + weak
     except TypeError:
         return f"{type(x).__name__} {x!r}"
 

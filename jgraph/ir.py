@@ -99,7 +99,33 @@ class Graph:
         return [a for a, r in zip(self.outputs, self.output_roles, strict=True) if r == role]
 
     def region(self, region_id: int) -> Region:
-        return next(r for r in self.regions if r.id == region_id)
+        for r in self.regions:
+            if r.id == region_id:
+                return r
+        from jgraph.errors import GraphError
+
+        raise GraphError(f"the graph has no checkpoint region {region_id} (it has "
+                         f"{[r.id for r in self.regions]})")
+
+    def grad_params(self) -> list[Var]:
+        """The param inputs in the order of the grad outputs: the `param_argnums` order, as
+        `jax.value_and_grad(fn, argnums=param_argnums)` returns them."""
+        n = self.param_argnums
+        if n is None or self.in_tree is None:
+            return self.inputs_with_role("param")
+        argnums = (n,) if isinstance(n, int) else tuple(n)
+        sizes = [t.num_leaves for t in self.in_tree.children()]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.inputs[starts[i] + k] for i in argnums for k in range(sizes[i])]
+
+    def input_paths(self) -> list[str]:
+        """Each input's place in the call arguments, as `[0]['w']` (`[k]` for flat graphs)."""
+        if self.in_tree is None:
+            return [f"[{k}]" for k in range(len(self.inputs))]
+        tree = jax.tree.unflatten(self.in_tree, list(range(len(self.inputs))))
+        paths = {k: jax.tree_util.keystr(path)
+                 for path, k in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return [paths[k] for k in range(len(self.inputs))]
 
     def __str__(self):
         from jgraph.printing import format_graph

@@ -172,10 +172,8 @@ def donated_step(graph: Graph, learning_rate: float = 1e-3):
 
 
 def _params_in_grad_order(graph: Graph) -> list[int]:
-    from jgraph.backward import _params_in_grad_order as order
-
     index = {v: k for k, v in enumerate(graph.inputs)}
-    return [index[v] for v in order(graph)]
+    return [index[v] for v in graph.grad_params()]
 
 
 def compiled_memory(graph: Graph, *args) -> CompiledMemory:

@@ -294,7 +294,7 @@ def test_custom_vjp_closed_over_param_is_an_error_not_a_zero_gradient():
         jg.backward(g)
 
 
-# -- custom_jvp: the user's JVP rule, linearized and transposed -------------------------------------
+# -- custom_jvp: the user's JVP rule, linearized and transposed ------------------------------------
 _AT_ZERO = {  # functions whose custom_jvp rule differs from their primal body's derivative at 0
     "relu": lambda w: jnp.sum(jax.nn.relu(w) * jnp.array([1.0, 2.0, 3.0])),
     "softplus": lambda w: jnp.sum(jax.nn.softplus(w)),

@@ -290,3 +290,23 @@ def test_check_names_the_source_line():
     g = _unknown_op(layer_graph())
     with pytest.raises(jg.GraphError, match=r"test_ir.py:\d+:\d+ \(layer\)"):
         jg.check(g)
+
+
+def test_check_compares_every_grad_output_with_its_param():
+    gb = jg.backward(layer_graph())
+    jg.check(gb)
+    k = gb.output_roles.index("grad")
+    wrong = Var(jax.core.ShapedArray((1, 5), np.dtype("float32")))
+    zero = Literal(np.float32(0), jax.core.ShapedArray((), np.float32))
+    eqn = jg.Eqn("broadcast_in_dim", (zero,),
+                 dict(shape=(1, 5), broadcast_dimensions=(), sharding=None), (wrong,))
+    bad = gb.replace(eqns=gb.eqns + (eqn,),
+                     outputs=gb.outputs[:k] + (wrong,) + gb.outputs[k + 1:])
+    with pytest.raises(jg.GraphError, match=r"output \d+ \(grad 0\) is f32\[1,5\] but its param "
+                                            r"input a is f32\[2\]"):
+        jg.check(bad)
+
+
+def test_region_lookup_of_an_unknown_id_is_a_graph_error():
+    with pytest.raises(jg.GraphError, match="no checkpoint region 3"):
+        layer_graph().region(3)

@@ -355,3 +355,63 @@ def test_check_accepts_typed_scalar_literals_with_x64_off(name):
     want_value, want_grad = jax.value_and_grad(fn)(p, x)
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+# -- call-time checks ---------------------------------------------------------------------------
+def _signature_graph():
+    f = lambda p, x, n: jnp.sum(x @ p["w"]) * n
+    return jg.trace(f, {"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), jnp.int32(2), param_argnums=0)
+
+
+@pytest.mark.parametrize("run", ["evaluate", "compile"])
+@pytest.mark.parametrize("args, message", [
+    (({"v": jnp.ones((3, 2))}, jnp.ones((2, 3)), 3),
+     r"(?s)do not match the traced signature.*missing    args\[0\]\['w'\]: expected f32\[3,2\]"
+     r".*unexpected args\[0\]\['v'\]: f32\[3,2\]"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 4)), 2),
+     r"argument args\[1\] is f32\[2,4\] but the traced signature has f32\[2,3\] there"),
+    (({"w": jnp.ones((3, 2), jnp.int32)}, jnp.ones((2, 3)), 2),
+     r"argument args\[0\]\['w'\] is i32\[3,2\] but the traced signature has f32\[3,2\]"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 2.5), r"argument args\[2\] is .*i32\[\]"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 1j), r"argument args\[2\] is .*i32\[\]"),
+])
+def test_calls_with_another_signature_are_named_errors(run, args, message):
+    g = _signature_graph()
+    call = jg.evaluate if run == "evaluate" else lambda g, *a: jg.compile(g)(*a)
+    with pytest.raises(jg.JGraphError, match=message):
+        call(g, *args)
+
+
+def test_python_scalars_that_fit_are_converted():
+    g = _signature_graph()
+    args = ({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)))
+    assert float(jg.evaluate(g, *args, 3)) == float(jg.compile(g)(*args, 3)) == 36.0
+    with pytest.raises(jg.JGraphError, match=r"out of the range of i32\[\]"):
+        jg.evaluate(g, *args, 2**40)
+
+
+def test_integer_params_are_an_error_naming_the_param():
+    def f(p, x):
+        return jnp.sum(x * p["w"]) + p["n"]
+
+    g = jg.trace(f, {"w": jnp.ones(3), "n": jnp.int32(2)}, jnp.ones(3), param_argnums=0)
+    with pytest.raises(jg.TransformError, match=r"param args\[0\]\['n'\] is i32\[\]"):
+        jg.backward(g)
+    with pytest.raises(TypeError):  # as jax.grad refuses
+        jax.grad(f)({"w": jnp.ones(3), "n": jnp.int32(2)}, jnp.ones(3))
+
+
+def test_errors_inside_rules_and_lowerings_name_the_eqn_and_line():
+    import dataclasses
+
+    g = jg.trace(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(3), param_argnums=0)
+    bad = dataclasses.replace(g.eqns[0], params={"accuracy": "bogus"})
+    g = g.replace(eqns=(bad,) + g.eqns[1:])
+    with pytest.raises(jg.JGraphError, match=r"while evaluating eqn `b:f32\[3\] = "
+                                             r"sin\[accuracy=bogus\] a` \(.*test_trace.py:\d+"):
+        jg.evaluate(g, jnp.ones(3))
+    g = jg.trace(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(3), param_argnums=0)
+    bad = dataclasses.replace(g.eqns[1], params=dict(g.eqns[1].params, axes=(3,)))
+    with pytest.raises(jg.TransformError, match=r"while differentiating eqn `c:f32\[\] = "
+                                                r"reduce_sum\[axes=\(3,\)"):
+        jg.backward(g.replace(eqns=(g.eqns[0], bad)))

@@ -45,14 +45,8 @@ def grads_tree(graph: Graph):
 
 
 def grad_params(graph: Graph) -> list[Var]:
-    """The param inputs in the order of the grad outputs (the `param_argnums` order)."""
-    n = graph.param_argnums
-    argnums = None if n is None else (n,) if isinstance(n, int) else tuple(n)
-    if argnums is None or graph.in_tree is None:
-        return graph.inputs_with_role("param")
-    sizes = [t.num_leaves for t in graph.in_tree.children()]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [graph.inputs[starts[i] + k] for i in argnums for k in range(sizes[i])]
+    """The param inputs in the order of the grad outputs (`Graph.grad_params`)."""
+    return graph.grad_params()
 
 
 def gradient_outputs(graph: Graph, what: str) -> tuple[list[int], str]:
