@@ -10,8 +10,9 @@ parent interrupts it, and answers every Ctrl-C with one line:
     LOST ...       anything else (a state lost, unloadable or different)
 
 Between a Ctrl-C and its answer the child blocks SIGINT (the parent sends the next one only after
-the answer, and a blocked one waits until the child trains again): no Ctrl-C can land in the
-child's own bookkeeping, only in jgraph's code.
+the answer, and a blocked one waits until the child trains again), and its handler raises
+`KeyboardInterrupt` once per round (a resent Ctrl-C that arrives before the block is dropped):
+no Ctrl-C can land in the child's own bookkeeping, only in jgraph's code.
 
 MODE `loop`: a static step loop (`opt.step`, donated buffers) saved with `opt.latest_state`.
 MODE `fit`: `jg.fit` with a checkpoint, resumed after every Ctrl-C.
@@ -52,8 +53,22 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+ARMED = [False]
+
+
+def _once(signum, frame):
+    if ARMED[0]:
+        ARMED[0] = False
+        raise KeyboardInterrupt
+
+
 def hold_sigint(hold: bool) -> None:
+    if not hold:
+        ARMED[0] = True
     signal.pthread_sigmask(signal.SIG_BLOCK if hold else signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+signal.signal(signal.SIGINT, _once)
 
 
 def loop(period: int, nref: int, path: str) -> None:
