@@ -68,9 +68,6 @@ def hold_sigint(hold: bool) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK if hold else signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
-signal.signal(signal.SIGINT, _once)
-
-
 def loop(period: int, nref: int, path: str) -> None:
     import optax
 
@@ -169,6 +166,7 @@ def save_forever(path: str, nbytes: int, ready) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _once)
     mode, *args = sys.argv[1:]
     if mode == "loop":
         loop(int(args[0]), int(args[1]), args[2])
