@@ -1,17 +1,99 @@
-"""`python -m jgraph demo`: the command line, and (slow) the full demo's bar: >= 95 % validation
-accuracy on digits, a PNG plot, the memory table."""
+"""`python -m jgraph demo`: the command line (bad arguments end in one line and exit code 2 before
+any training; optional imports checked up front; Ctrl-C exits 130), and (slow) the full demo's
+bar: >= 95 % validation accuracy on digits, a PNG plot, the memory table."""
 
+import importlib.util
 import subprocess
 import sys
 
 import pytest
 
 from jgraph.__main__ import main
+from jgraph.training import demo
 
 
 def test_usage_without_the_demo_command(capsys):
     assert main([]) == 2
     assert "python -m jgraph demo" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "'train'" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+
+
+BAD = [  # (arguments, what the one line must say)
+    (["--epochs", "0"], "--epochs: 0 is not in [1, 100000]"),
+    (["--epochs", "-3"], "--epochs: -3 is not in"),
+    (["--epochs", "2.5"], "--epochs: '2.5' is not an integer"),
+    (["--batch-size", "0"], "--batch-size: 0 is not in"),
+    (["--physical-batch-size", "-1"], "--physical-batch-size: -1 is not in"),
+    (["--lr", "nan"], "--lr: nan is not a positive finite number"),
+    (["--lr", "inf"], "--lr: inf is not a positive finite number"),
+    (["--lr", "-0.1"], "--lr: -0.1 is not a positive finite number"),
+    (["--lr", "fast"], "--lr: 'fast' is not a number"),
+    (["--batch-size", "64", "--physical-batch-size", "48"], "is not a multiple of"),
+    (["--batch-size", "8", "--physical-batch-size", "16"], "is not a multiple of"),
+    (["--batch-size", "1000", "--physical-batch-size", "8"], "leaves no training batch"),
+    (["--plot", "/nonexistent/dir/loss.png"], "does not exist"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_arguments_end_in_one_line_and_exit_code_2(capsys, monkeypatch, args, message):
+    monkeypatch.setattr(demo, "_run", lambda args: pytest.fail("trained on bad arguments"))
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("python -m jgraph demo: error:")
+    assert message in err
+
+
+def test_a_real_process_exits_with_code_2_and_one_line():
+    run = subprocess.run([sys.executable, "-m", "jgraph", "demo", "--lr", "nan"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [
+        "python -m jgraph demo: error: argument --lr: nan is not a positive finite number "
+        "(see --help)"]
+
+
+def without(monkeypatch, module):
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == module else find(name, *a))
+
+
+def test_missing_scikit_learn_is_reported_before_training(capsys, monkeypatch):
+    without(monkeypatch, "sklearn")
+    monkeypatch.setattr(demo, "_run", lambda args: pytest.fail("trained without its data"))
+    with pytest.raises(SystemExit) as info:
+        main(["demo"])
+    assert info.value.code == 2
+    assert "needs scikit-learn" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_skips_the_plot_with_a_note(capsys, monkeypatch):
+    without(monkeypatch, "matplotlib")
+    seen = {}
+
+    def run(args):
+        seen["no_plot"] = args.no_plot
+        return 0
+
+    monkeypatch.setattr(demo, "_run", run)
+    assert main(["demo"]) == 0 and seen["no_plot"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matplotlib is not installed: no plot" in err
+
+
+def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_run", interrupted)
+    assert main(["demo", "--epochs", "3"]) == 130
+    assert "interrupted after 0 of 3 epochs" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 and what is built on them: `Optimizer`, `Dataset`, `Result`, `epoch`, `fit`, state files."""
 
 from jgraph.training.accumulate import accumulate
+from jgraph.training.arguments import ArgumentError, NonFiniteError
 from jgraph.training.dataset import Dataset
 from jgraph.training.fit import History, epoch, fit
+from jgraph.training.guard import guard_nonfinite
 from jgraph.training.optimizer import Optimizer, StepOutput, TrainState
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.reset import first_micro_step, reset
@@ -11,6 +13,7 @@ from jgraph.training.result import Result
 from jgraph.training.state_io import StateFileError
 
 __all__ = [
-    "Dataset", "History", "Optimizer", "Result", "StateFileError", "StepOutput", "TrainState",
-    "accumulate", "epoch", "first_micro_step", "fit", "optimizer_step", "reset",
+    "ArgumentError", "Dataset", "History", "NonFiniteError", "Optimizer", "Result",
+    "StateFileError", "StepOutput", "TrainState", "accumulate", "epoch", "first_micro_step", "fit",
+    "guard_nonfinite", "optimizer_step", "reset",
 ]

@@ -5,6 +5,8 @@ Datapoints are the leading axis of `data` (and `labels`). They are grouped into 
 shard permutation decides the order: `shuffle(key, idata)` permutes all shards, or only those of
 the first `idata` datapoints (which keeps a validation tail fixed), with an explicit JAX key.
 `batch(ibatch, batch_size)` serves the `ibatch`-th block of shards; a shard stays in order.
+Sizes and indices are checked ints (`ArgumentError`); data and labels must hold numbers.
+`copy()` gives a dataset over the same arrays with its own order (what `fit` shuffles).
 """
 
 from __future__ import annotations
@@ -13,22 +15,33 @@ import jax
 import numpy as np
 
 from jgraph.errors import JGraphError
+from jgraph.training.arguments import ArgumentError, integer, numeric_array, positive_int
 
 
 class Dataset:
     """Data (and labels) on the host, served in batches of whole shards."""
 
     def __init__(self, data, labels=None, shard_size: int = 1):
-        self.data = np.asarray(data)
-        self.labels = None if labels is None else np.asarray(labels)
+        self.data = numeric_array(data, "Dataset: data")
+        self.labels = None if labels is None else numeric_array(labels, "Dataset: labels")
         if self.data.ndim == 0 or len(self.data) == 0:
             raise JGraphError("Dataset: data needs a leading axis of at least one datapoint")
-        if self.labels is not None and len(self.labels) != len(self.data):
-            raise JGraphError(f"Dataset: {len(self.labels)} labels for {len(self.data)} datapoints")
-        if not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
-            raise JGraphError(f"Dataset: shard_size must be a positive int, got {shard_size!r}")
-        self.shard_size = int(shard_size)
+        if self.labels is not None and (self.labels.ndim == 0
+                                        or len(self.labels) != len(self.data)):
+            raise JGraphError(f"Dataset: {len(np.atleast_1d(self.labels))} labels for "
+                              f"{len(self.data)} datapoints")
+        self.shard_size = positive_int(shard_size, "Dataset: shard_size")
+        if self.shard_size > len(self.data):
+            raise JGraphError(f"Dataset: shard_size {self.shard_size} exceeds the "
+                              f"{len(self.data)} datapoints (no shard could be served)")
         self.permutation = np.arange(len(self.data) // self.shard_size, dtype=np.int64)
+
+    def copy(self) -> Dataset:
+        """A dataset over the same data and labels (not copied) with its own shard order."""
+        other = object.__new__(Dataset)
+        other.data, other.labels, other.shard_size = self.data, self.labels, self.shard_size
+        other.permutation = self.permutation.copy()
+        return other
 
     @property
     def ndata(self) -> int:
@@ -41,6 +54,8 @@ class Dataset:
 
     def shuffle(self, key, idata: int | None = None) -> Dataset:
         """Permute the shards (all, or those of the first `idata` datapoints) in place."""
+        if idata is not None:
+            idata = integer(idata, "Dataset.shuffle: idata")
         if idata is None or idata < 0:
             n = self.nshards
         else:
@@ -49,17 +64,23 @@ class Dataset:
                                   f"shard size {self.shard_size} and at most {self.ndata}")
             n = idata // self.shard_size
         if n > 1:
-            order = np.asarray(jax.random.permutation(key, n))
+            try:
+                order = np.asarray(jax.random.permutation(key, n))
+            except (TypeError, ValueError) as e:
+                raise ArgumentError(f"Dataset.shuffle: key must be a JAX PRNG key "
+                                    f"(jax.random.key or PRNGKey), got {key!r:.60}") from e
             self.permutation[:n] = self.permutation[:n][order]
         return self
 
     def batch(self, ibatch: int, batch_size: int):
         """`(data, labels)` of batch `ibatch` (labels None without labels), as numpy arrays."""
+        ibatch = integer(ibatch, "Dataset.batch: ibatch", 0)
+        batch_size = positive_int(batch_size, "Dataset.batch: batch_size")
         if batch_size % self.shard_size:
             raise JGraphError(f"Dataset.batch: batch size {batch_size} is not a multiple of the "
                               f"shard size {self.shard_size}")
         per = batch_size // self.shard_size
-        if ibatch < 0 or (ibatch + 1) * per > self.nshards:
+        if (ibatch + 1) * per > self.nshards:
             raise JGraphError(f"Dataset.batch: batch {ibatch} of size {batch_size} is out of "
                               f"range ({self.ndata} datapoints)")
         shards = self.permutation[ibatch * per:(ibatch + 1) * per]

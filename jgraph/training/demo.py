@@ -3,12 +3,17 @@
 Gradient accumulation (logical batch 64 = 4 micro-batches of 16), remat of every block (each block
 is a `jax.checkpoint`), a progress bar, final loss and accuracy with uncertainties, a memory table
 (no remat vs remat; jgraph's estimate on the schedule vs XLA's compiled temp) and a PNG of the loss
-curves. Needs the `demo` extra: scikit-learn and matplotlib.
+curves. Needs the `demo` extra: scikit-learn (the data; checked first) and matplotlib (the plot;
+without it the demo says so in one line and skips the plot). Bad arguments end in a one-line
+error and exit code 2, before any training; Ctrl-C stops the training cleanly (exit code 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -103,17 +108,82 @@ def plot(history, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jgraph demo",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--physical-batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _bounded_int(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    return parse
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = _Parser(prog="python -m jgraph demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=_bounded_int(1, 100_000), default=40)
+    parser.add_argument("--batch-size", type=_bounded_int(1, 2**20), default=64)
+    parser.add_argument("--physical-batch-size", type=_bounded_int(1, 2**20), default=16)
+    parser.add_argument("--lr", type=_learning_rate, default=1e-3)
     parser.add_argument("--plot", type=Path, default=Path("jgraph-demo-loss.png"))
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.batch_size % args.physical_batch_size:
+        parser.error(f"--batch-size {args.batch_size} is not a multiple of "
+                     f"--physical-batch-size {args.physical_batch_size}")
+    if importlib.util.find_spec("sklearn") is None:
+        parser.error("the demo needs scikit-learn for its data: pip install 'jgraph[demo]'")
+    ndata = 1797  # sklearn's bundled digits
+    most = ndata // 2  # 20% validation must leave one logical batch to train on
+    if args.batch_size > most:
+        parser.error(f"--batch-size {args.batch_size} leaves no training batch: at most {most} "
+                     f"of the {ndata} digits (20% are held out)")
+    if not args.no_plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            print("note: matplotlib is not installed: no plot (pip install 'jgraph[demo]')",
+                  file=sys.stderr)
+            args.no_plot = True
+        elif not args.plot.resolve().parent.is_dir():
+            parser.error(f"--plot {args.plot}: folder {args.plot.resolve().parent} does not "
+                         f"exist")
+    return args
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt as e:
+        history = getattr(e, "history", None)
+        done = len(history.train_loss) if history is not None else 0
+        print(f"\ninterrupted after {done} of {args.epochs} epochs", file=sys.stderr)
+        return 130
+    except jg.JGraphError as e:
+        print(f"python -m jgraph demo: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
     start = time.perf_counter()
     ds, n_in = load_digits_dataset()
     params = init_params(jax.random.PRNGKey(0), n_in)
@@ -141,13 +211,15 @@ def main(argv=None) -> int:
           "donated step)")
     print(f"  {'graph':5s} {'micro-batch':>11s} {'remat':>6s} {'jgraph estimate':>16s} "
           f"{'XLA temp':>13s}")
-    batches = (args.physical_batch_size, 32 * args.physical_batch_size)
+    big = min(32 * args.physical_batch_size, ds.ndata)  # a micro-batch the data can fill
+    batches = (args.physical_batch_size,) + ((big,) if big > args.physical_batch_size else ())
     for name, batch, remat, estimate, temp in memory_table(params, ds, tx, period, batches):
         print(f"  {name:5s} {batch:11d} {'yes' if remat else 'no':>6s} {estimate / 1024:12.1f} "
               f"KiB {temp / 1024:9.1f} KiB")
 
-    plot(history, args.plot)
-    print(f"\nloss curves written to {args.plot.resolve()}")
+    if not args.no_plot:
+        plot(history, args.plot)
+        print(f"\nloss curves written to {args.plot.resolve()}")
     val_acc = history.val_accuracy[-1]
     print(f"validation accuracy {100 * val_acc:.2f} % ({'>=' if val_acc >= 0.95 else '<'} 95 %),"
           f" total {time.perf_counter() - start:.1f} s")

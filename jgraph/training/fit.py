@@ -3,14 +3,24 @@
 `epoch` trains on the physical batches before `idata_split` and evaluates on the rest, in the
 dataset's current order; it neither shuffles nor resets results. `fit` derives the period from a
 logical and a physical batch size, splits off a validation tail (whole logical batches), shuffles
-everything once and the training part every epoch (explicit JAX key), and shows a progress bar with
-loss ± uncertainty, accuracy and ETA (tqdm; `progress=False` turns it off).
+everything once and the training part every epoch (explicit JAX key) on its own copy of the
+dataset's order (the caller's Dataset is never changed: same key, same run), and shows a progress
+bar with loss ± uncertainty, accuracy and ETA (tqdm; `progress=False` turns it off).
+
+Stopping. Ctrl-C stops `fit` at the next step boundary (a second Ctrl-C aborts at once): it writes
+`checkpoint_path` if given, and re-raises `KeyboardInterrupt` with `.state`, `.params` and
+`.history` attached. A non-finite step (`on_nonfinite="raise"`, the default) raises
+`NonFiniteError` naming the epoch and batch, with the last finite state attached (and written to
+`checkpoint_path`). `checkpoint_every=N` also writes the checkpoint every N optimizer steps (or
+`"epoch"`); `fit` with an existing `checkpoint_path` resumes from it and, given the same
+arguments, ends bitwise where the uninterrupted run ends.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,20 +28,33 @@ import numpy as np
 import optax
 
 from jgraph.errors import JGraphError
+from jgraph.training.arguments import (
+    NONFINITE_MODES,
+    ArgumentError,
+    NonFiniteError,
+    choice,
+    integer,
+    positive_int,
+    real,
+)
 from jgraph.training.dataset import Dataset
+from jgraph.training.fit_state import HISTORY_FIELDS, Position, key_to_json, position_from_json
+from jgraph.training.interrupts import StopRequest
 from jgraph.training.optimizer import Optimizer, TrainState
 from jgraph.training.result import Result
 
 
 def epoch(opt: Optimizer, state: TrainState, dataset: Dataset, result_train: Result | None,
           result_eval: Result | None, idata_split: int = -1, callback=None,
-          batch_size: int | None = None) -> TrainState:
+          batch_size: int | None = None, start: int = 0) -> TrainState:
     """One pass over `dataset`: train before `idata_split` (< 0: all), evaluate after it.
 
     `callback(train, state, result, ibatch, ibatch_max)` runs after every batch (`ibatch` counts
     from 1 within the section). `batch_size` defaults to the optimizer's example batch size.
+    `start` skips the first training batches (a resumed epoch).
     """
-    bs = batch_size or opt.batch_size
+    bs = opt.batch_size if batch_size is None else positive_int(batch_size, "epoch: batch_size")
+    idata_split = integer(idata_split, "epoch: idata_split")
     nbatches = dataset.ndata // bs
     if idata_split < 0:
         split = nbatches
@@ -41,7 +64,7 @@ def epoch(opt: Optimizer, state: TrainState, dataset: Dataset, result_train: Res
     else:
         split = min(idata_split // bs, nbatches)
     labelled = opt.needs_labels
-    for ibatch in range(split):
+    for ibatch in range(integer(start, "epoch: start", 0, split), split):
         x, y = dataset.batch(ibatch, bs)
         state, out = opt.step(state, x, y if labelled else None)
         if result_train is not None:
@@ -71,8 +94,10 @@ class History:
     val_accuracy: list = field(default_factory=list)
     val_accuracy_unc: list = field(default_factory=list)
     seconds: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  # non-finite steps dropped (on_nonfinite="skip")
     state: Any = None  # the final TrainState (for save / resume)
     optimizer: Any = None  # the Optimizer that ran
+    interrupted: bool = False  # stopped early (Ctrl-C or a non-finite step)
 
     def record(self, prefix: str, result: Result) -> None:
         loss, loss_unc = result.loss() if result.nbatches else (np.nan, np.nan)
@@ -80,6 +105,18 @@ class History:
         for name, value in (("loss", loss), ("loss_unc", loss_unc), ("accuracy", acc),
                             ("accuracy_unc", acc_unc)):
             getattr(self, f"{prefix}_{name}").append(value)
+
+    def to_json(self) -> dict:
+        """The per-epoch lists (counts as ints, statistics as floats; NaN is kept)."""
+        kind = lambda name: int if name == "skipped" else float  # noqa: E731
+        return {name: [kind(name)(v) for v in getattr(self, name)] for name in HISTORY_FIELDS}
+
+    @classmethod
+    def from_json(cls, obj: dict, optimizer=None) -> History:
+        """The inverse of `to_json` (`obj` checked by `fit_state.position_from_json`)."""
+        lists = {name: [int(v) if name == "skipped" else float(v) for v in obj[name]]
+                 for name in HISTORY_FIELDS}
+        return cls(**lists, optimizer=optimizer)
 
 
 def _describe(result: Result) -> str:
@@ -94,14 +131,14 @@ def _describe(result: Result) -> str:
 class _ProgressBar:
     """A tqdm bar over one epoch's batches; refreshed a few dozen times per epoch."""
 
-    def __init__(self, total: int, desc: str, enabled: bool):
+    def __init__(self, total: int, desc: str, enabled: bool, done: int = 0):
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="batch", leave=True)
+            self.bar = tqdm(total=total, desc=desc, unit="batch", leave=True, initial=done)
         self.every = max(1, total // 20)
-        self.done = 0
+        self.done = done
 
     def __call__(self, train, state, result, ibatch, ibatch_max):
         if self.bar is None:
@@ -118,60 +155,225 @@ class _ProgressBar:
             self.bar.close()
 
 
+@dataclass
+class _Plan:
+    """The batch arithmetic of a fit run."""
+
+    ndata: int  # datapoints served per epoch
+    batch_size: int  # logical batch
+    physical: int  # micro-batch
+    period: int  # micro-batches per logical batch
+    idata_split: int  # datapoints trained on per epoch; the rest is validation
+    ntrain: int  # training micro-batches per epoch
+    nbatches: int  # micro-batches per epoch
+
+
+def _plan(dataset: Dataset, batch_size, physical_batch_size, val_split) -> _Plan:
+    ndata = dataset.ndata
+    batch_size = ndata if batch_size is None else positive_int(batch_size, "fit: batch_size")
+    physical = (batch_size if physical_batch_size is None
+                else positive_int(physical_batch_size, "fit: physical_batch_size"))
+    if batch_size % physical:
+        raise ArgumentError(f"fit: batch_size {batch_size} is not a multiple of "
+                            f"physical_batch_size {physical}")
+    if batch_size > ndata:
+        raise ArgumentError(f"fit: batch_size {batch_size} exceeds the {ndata} datapoints")
+    if physical % dataset.shard_size:
+        raise ArgumentError(f"fit: physical_batch_size {physical} is not a multiple of the "
+                            f"dataset's shard size {dataset.shard_size}")
+    val_split = real(val_split, "fit: val_split", 0.0, 1.0, high_open=True)
+    period = batch_size // physical
+    ibatch_split = int((1.0 - val_split) * (ndata // batch_size)) * period
+    if ibatch_split == 0:
+        raise ArgumentError(f"fit: val_split={val_split} leaves no training batch")
+    return _Plan(ndata, batch_size, physical, period, ibatch_split * physical, ibatch_split,
+                 ndata // physical)
+
+
+def _checkpoint_every(every, path):
+    if every is None:
+        return None
+    if path is None:
+        raise ArgumentError("fit: checkpoint_every needs a checkpoint_path")
+    if every == "epoch":
+        return every
+    return positive_int(every, "fit: checkpoint_every (optimizer steps, or 'epoch')")
+
+
+class _Stop(Exception):
+    """Ctrl-C asked the run to stop (raised at a step boundary, caught by `fit`)."""
+
+
+def _attach(error, state, history):
+    history.state, history.interrupted = state, True
+    error.state, error.history, error.params = state, history, state.params
+    return error
+
+
+class _Run:
+    """One fit run: the loop over epochs, checkpoints, and the ways it stops."""
+
+    def __init__(self, opt: Optimizer, ds: Dataset, plan: _Plan, epochs: int, every, path,
+                 progress: bool, callback):
+        self.opt, self.ds, self.plan, self.epochs = opt, ds, plan, epochs
+        self.every, self.path, self.progress, self.callback = every, path, progress, callback
+        self.stop = None
+        self.clock = time.perf_counter()
+
+    def begin(self, state, key, config):
+        """`(state, position, history)`: resumed from the checkpoint, or a fresh start."""
+        if self.path is not None and self.path.exists():
+            from jgraph.training.state_io import StateFileError
+
+            state, extra = self.opt.load(self.path, dataset=self.ds, extra=True)
+            if not isinstance(extra, dict) or "fit" not in extra:
+                raise StateFileError(f"{self.path}: field extra.fit is missing: a state file, "
+                                     f"but not a fit checkpoint")
+            pos = position_from_json(extra["fit"], config, self.plan.ntrain,
+                                     f"{self.path}: extra.fit")
+            if int(state.counter) != pos.batch % self.plan.period:
+                raise StateFileError(f"{self.path}: field counter is {int(state.counter)}, but "
+                                     f"{pos.batch} batches into the epoch it is "
+                                     f"{pos.batch % self.plan.period}")
+            if pos.epoch > self.epochs + 1:
+                raise ArgumentError(f"fit: epochs={self.epochs}, but the checkpoint "
+                                    f"{self.path} has {pos.epoch - 1} epochs done")
+            return state, pos, History.from_json(pos.history, self.opt)
+        pos = Position(config, key)
+        if self.plan.batch_size < self.plan.ndata:
+            pos.key, sub = jax.random.split(pos.key)
+            self.ds.shuffle(sub)
+        return state, pos, History(optimizer=self.opt)
+
+    def save(self, state, pos: Position, history: History) -> None:
+        if self.path is None:
+            return
+        seconds = pos.seconds + (time.perf_counter() - self.clock if pos.started else 0.0)
+        snapshot = Position(**{**pos.__dict__, "history": history.to_json(),
+                               "seconds": seconds})
+        self.opt.save(state, self.path, dataset=self.ds, extra={"fit": snapshot.to_json()})
+
+    def check_stop(self):
+        if self.stop is not None and self.stop.requested:
+            raise _Stop
+
+    def run(self, state, pos: Position, history: History):
+        with StopRequest() as self.stop:
+            try:
+                return self._loop(state, pos, history)
+            except KeyboardInterrupt as e:  # also a second Ctrl-C: abort at once, write nothing
+                if not hasattr(e, "state"):
+                    _attach(e, self.opt.latest_state, history)
+                raise
+
+    def _loop(self, state, pos: Position, history: History):
+        plan, opt = self.plan, self.opt
+        try:
+            while pos.epoch <= self.epochs:
+                state = self.one_epoch(state, pos, history)
+            self.check_stop()
+            history.state = state
+            self.save(state, pos, history)  # the final checkpoint; a Ctrl-C only asks
+            self.check_stop()
+        except _Stop:
+            state = opt.latest_state
+            self.save(state, pos, history)
+            where = ("after its last epoch" if pos.epoch > self.epochs else
+                     f"in epoch {pos.epoch} after {pos.batch} of {plan.ntrain} training batches")
+            raise _attach(KeyboardInterrupt(
+                f"fit stopped by Ctrl-C {where}; state, params and history are attached"
+                + (f" and saved to {self.path}" if self.path else "")), state, history) from None
+        except NonFiniteError as e:
+            state = opt.latest_state
+            self.save(state, pos, history)
+            raise _attach(NonFiniteError(
+                f"fit: non-finite loss, gradient or update in epoch {pos.epoch}, training "
+                f"batch {pos.batch + 1} of {plan.ntrain} (micro-step {pos.step + 1} of the "
+                f"run); the step was dropped: the attached state, params and history are the "
+                f"last finite ones" + (f", saved to {self.path}" if self.path else "")
+                + ". on_nonfinite='skip' drops such steps and goes on.", state),
+                state, history) from e
+        return state.params, history
+
+    def one_epoch(self, state, pos: Position, history: History):
+        plan, e = self.plan, pos.epoch
+        self.check_stop()
+        if not pos.started:
+            if plan.batch_size < plan.idata_split:
+                pos.key, sub = jax.random.split(pos.key)
+                self.ds.shuffle(sub, plan.idata_split)
+            pos.started, pos.train, pos.seconds = True, Result(), 0.0
+        train, val = pos.train or Result(), Result()
+        pos.train = train
+        bar = _ProgressBar(plan.nbatches, f"epoch {e}/{self.epochs}", self.progress, pos.batch)
+        every = self.every if isinstance(self.every, int) else None
+
+        def after_batch(is_train, state, result, ibatch, ibatch_max):
+            bar(is_train, state, result, ibatch, ibatch_max)
+            if is_train:
+                pos.batch, pos.step = pos.batch + 1, pos.step + 1
+                if every and pos.step % (every * plan.period) == 0:
+                    self.save(state, pos, history)
+            self.check_stop()
+
+        self.clock = time.perf_counter()
+        try:
+            state = epoch(self.opt, state, self.ds, train, val, plan.idata_split, after_batch,
+                          batch_size=plan.physical, start=pos.batch)
+            jax.block_until_ready(state.params)
+        finally:
+            bar.close()
+        history.seconds.append(pos.seconds + time.perf_counter() - self.clock)
+        history.record("train", train)
+        history.record("val", val)
+        history.skipped.append(train.nonfinite)
+        pos.epoch, pos.started, pos.batch, pos.train, pos.seconds = e + 1, False, 0, None, 0.0
+        if self.every == "epoch":
+            self.save(state, pos, history)
+        if self.callback is not None:
+            self.callback(e, history)
+        return state
+
+
 def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int = 1,
         batch_size: int | None = None, physical_batch_size: int | None = None,
         val_split: float = 0.0, progress: bool = True, remat=None, static: bool = True,
-        key=None, callback=None):
+        key=None, callback=None, on_nonfinite: str = "raise", checkpoint_every=None,
+        checkpoint_path=None):
     """Train `fn`'s params on `dataset`; return `(params, History)` (ggml_opt_fit).
 
     `batch_size` is the logical batch (default: all data), `physical_batch_size` the micro-batch
     (default: the logical one); their ratio is the accumulation period. `tx` defaults to ggml's
     AdamW (1e-3, 0.9, 0.999, 1e-8, no weight decay). `callback(epoch, history)` runs after each
-    epoch.
+    epoch. `on_nonfinite`: "raise" (stop with `NonFiniteError`, keeping the last finite state),
+    "skip" (drop non-finite updates, as `optax.apply_if_finite`), "ignore". `checkpoint_path`:
+    where the state is written when the run ends or stops, and every `checkpoint_every`
+    optimizer steps (or "epoch"); an existing one is resumed. See the module docstring.
     """
-    ndata = dataset.ndata
-    batch_size = batch_size or ndata
-    physical = physical_batch_size or batch_size
-    if batch_size % physical:
-        raise JGraphError(f"fit: batch_size {batch_size} is not a multiple of "
-                          f"physical_batch_size {physical}")
-    if batch_size > ndata:
-        raise JGraphError(f"fit: batch_size {batch_size} exceeds the {ndata} datapoints")
-    if not 0.0 <= val_split < 1.0:
-        raise JGraphError(f"fit: val_split must be in [0, 1), got {val_split}")
-    period = batch_size // physical
-    nbatches_logical = ndata // batch_size
-    ibatch_split = int((1.0 - val_split) * nbatches_logical) * period
-    idata_split = ibatch_split * physical
-    if ibatch_split == 0:
-        raise JGraphError(f"fit: val_split={val_split} leaves no training batch")
+    if not isinstance(dataset, Dataset):
+        raise ArgumentError(f"fit: dataset must be a jg.Dataset, got {type(dataset).__name__}")
+    epochs = positive_int(epochs, "fit: epochs")
+    plan = _plan(dataset, batch_size, physical_batch_size, val_split)
+    on_nonfinite = choice(on_nonfinite, "fit: on_nonfinite", NONFINITE_MODES)
+    path = None if checkpoint_path is None else Path(checkpoint_path)
+    every = _checkpoint_every(checkpoint_every, path)
     tx = tx if tx is not None else optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8,
                                                weight_decay=0.0)
     key = key if key is not None else jax.random.PRNGKey(0)
-    opt = Optimizer(fn, tx, loss=loss, period=period, static=static, remat=remat)
-    x0, y0 = dataset.batch(0, physical)
+    try:
+        key_json = key_to_json(key)
+    except (AttributeError, TypeError, ValueError, JGraphError) as e:
+        raise ArgumentError(f"fit: key must be a JAX PRNG key, got {key!r:.60}") from e
+    ds = dataset.copy()  # fit shuffles its own order: the caller's dataset never changes
+    opt = Optimizer(fn, tx, loss=loss, period=plan.period, static=static, remat=remat,
+                    on_nonfinite=on_nonfinite)
+    x0, y0 = ds.batch(0, plan.physical)
     state = opt.init(params, x0, y0 if opt.needs_labels else None)
-    history = History(optimizer=opt)
-    if batch_size < ndata:
-        key, sub = jax.random.split(key)
-        dataset.shuffle(sub)
-    nbatches = ndata // physical
-    for e in range(1, epochs + 1):
-        if batch_size < idata_split:
-            key, sub = jax.random.split(key)
-            dataset.shuffle(sub, idata_split)
-        train, val = Result(), Result()
-        bar = _ProgressBar(nbatches, f"epoch {e}/{epochs}", progress)
-        start = time.perf_counter()
-        try:
-            state = epoch(opt, state, dataset, train, val, idata_split, bar, batch_size=physical)
-            jax.block_until_ready(state.params)
-        finally:
-            bar.close()
-        history.seconds.append(time.perf_counter() - start)
-        history.record("train", train)
-        history.record("val", val)
-        if callback is not None:
-            callback(e, history)
-    history.state = state
-    return state.params, history
+    if opt.needs_labels:
+        opt.check_labels(ds.labels)  # every class id, once, before the first step
+    config = {"loss": loss, "ndata": plan.ndata, "shard_size": ds.shard_size,
+              "batch_size": plan.batch_size, "physical_batch_size": plan.physical,
+              "val_split": float(val_split), "key": key_json}
+    run = _Run(opt, ds, plan, epochs, every, path, progress, callback)
+    state, pos, history = run.begin(state, key, config)
+    return run.run(state, pos, history)

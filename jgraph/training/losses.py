@@ -2,8 +2,10 @@
 
 The model `fn(params, inputs)` returns outputs. `sum` and `mean` reduce them (no labels);
 `cross_entropy` and `mse` compare them with labels of the same shape (for `cross_entropy`, integer
-class labels of one dimension less are one-hot encoded). `cross_entropy` also returns, as aux, the
-predictions (argmax over the last axis) and the count of correct ones. The loss of one micro-batch
+class labels of one dimension less are one-hot encoded; a class id outside [0, classes) makes the
+loss NaN, as optax's integer-label cross-entropy does, instead of a silent zero row).
+`cross_entropy` also returns, as aux, the predictions (argmax over the last axis) and the count of
+correct ones. The loss of one micro-batch
 is unscaled here; `accumulate` applies ggml-opt's 1/period scaling.
 
 `ndata` counts datapoints as ggml-opt does: the leading axis of outputs of rank >= 2, else 1.
@@ -34,10 +36,22 @@ def _as_targets(outputs, labels):
     return labels.astype(outputs.dtype)
 
 
+def _are_class_ids(labels, outputs) -> bool:
+    return jnp.issubdtype(labels.dtype, jnp.integer) and labels.ndim == outputs.ndim - 1
+
+
 def _class_ids(labels, outputs):
-    if jnp.issubdtype(labels.dtype, jnp.integer) and labels.ndim == outputs.ndim - 1:
+    if _are_class_ids(labels, outputs):
         return labels.astype(jnp.int32)
     return jnp.argmax(labels, axis=-1).astype(jnp.int32)
+
+
+def _nan_unless_valid(loss_value, labels, logits):
+    """The loss, or NaN if a class id is out of range (a one-hot zero row would hide it)."""
+    if not _are_class_ids(labels, logits):
+        return loss_value
+    valid = jnp.all((labels >= 0) & (labels < logits.shape[-1]))
+    return jnp.where(valid, loss_value, jnp.nan)
 
 
 def loss_function(fn, loss: str):
@@ -60,6 +74,7 @@ def loss_function(fn, loss: str):
         logits = fn(params, inputs)
         nrows = max(1, logits.size // logits.shape[-1]) if logits.ndim else 1
         loss_value = -jnp.sum(_as_targets(logits, labels) * log_softmax(logits)) / nrows
+        loss_value = _nan_unless_valid(loss_value, labels, logits)
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         ncorrect = jnp.sum(pred == _class_ids(labels, logits)).astype(jnp.int32)
         return loss_value, (pred, ncorrect)
@@ -67,6 +82,16 @@ def loss_function(fn, loss: str):
     table = {"sum": (sum_loss, False), "mean": (mean_loss, False),
              "mse": (mse_loss, False), "cross_entropy": (cross_entropy_loss, True)}
     return table[loss]
+
+
+def class_count(fn, loss: str, params, inputs, labels) -> int | None:
+    """For `cross_entropy` with class-id labels, the number of classes (else None)."""
+    if loss != "cross_entropy" or labels is None:
+        return None
+    logits = jax.eval_shape(fn, params, inputs)
+    if not hasattr(logits, "shape") or not _are_class_ids(labels, logits):
+        return None
+    return int(logits.shape[-1])
 
 
 def ndata_of(fn, params, inputs) -> int:

@@ -10,6 +10,19 @@ The state is a `TrainState` pytree; `step` returns a new one and invalidates the
 buffers (ggml updates in place). The micro-step counter is a host `np.int32`, so choosing between
 the `grad` and `opt` executables never waits for the device; the graphs take it as their `counter`
 input and zero the accumulators when it is 0 (every period, in both modes).
+
+Interrupts: the Optimizer records every state it produces in `latest_state`, and a step holds
+SIGINT from the compiled call until that record is made, so after a Ctrl-C at any point of a step
+loop `opt.save(opt.latest_state, path)` saves the last complete step (never a donated state).
+
+Non-finite steps (`on_nonfinite`): "ignore" (the default, as in optax) runs the graphs as built;
+"raise" and "skip" run them through `guard_nonfinite`, whose step returns one finite flag. "raise"
+reads it after every step and, when false, raises `NonFiniteError` with the state as it was before
+the step (the update is dropped in the graph, so nothing is lost to donation). "skip" drops
+non-finite updates of params and optimizer state, as `optax.apply_if_finite` does, without waiting
+for the flag: a period with a non-finite micro-batch makes no update (`apply_if_finite` applied to
+the period's mean gradient), and the next period starts from zeroed accumulators;
+`StepOutput.finite` holds the flag.
 """
 
 from __future__ import annotations
@@ -28,8 +41,29 @@ from jgraph.ir import Graph, Var
 from jgraph.lower import as_function
 from jgraph.trace import trace
 from jgraph.training.accumulate import LOSS_SCALED_BY_PERIOD, accumulate
+from jgraph.training.arguments import (
+    INT32_MAX,
+    NONFINITE_MODES,
+    ArgumentError,
+    NonFiniteError,
+    choice,
+    integer,
+    positive_int,
+)
 from jgraph.training.graphs import grad_params, grads_tree, tuple_tree
-from jgraph.training.losses import NEEDS_LABELS, loss_function, ndata_of
+from jgraph.training.guard import STATE_ROLES, guard_nonfinite
+from jgraph.training.interrupts import held_sigint
+from jgraph.training.leaves import (
+    check_leaves,
+    deleted,
+    dtype_of,
+    fresh_copy,
+    has_keys,
+    merge_keys,
+    signature,
+    split_keys,
+)
+from jgraph.training.losses import NEEDS_LABELS, class_count, loss_function, ndata_of
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.reset import reset
 
@@ -52,6 +86,7 @@ class StepOutput(NamedTuple):
     ndata: int  # datapoints per micro-batch, counted as ggml-opt does
     period: int  # the period the loss is scaled by (1 for forward evaluations)
     per_datapoint: bool  # the loss is a mean over datapoints (not a sum)
+    finite: Any = None  # the step's finite check (device bool); None when not guarded
 
 
 @dataclass
@@ -61,20 +96,14 @@ class _Build:
     graphs: dict[str, Graph]
     executables: dict[str, Callable]
     ndata: int
+    nclasses: int | None = None  # cross_entropy with class-id labels: the number of classes
+    plain_grad: Graph | None = None  # the grad graph before `guard_nonfinite`
     period_fn: Callable | None = None
     state_template: Any = field(default=None)
 
 
 _SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
 _MAX_SHARED_BUILDS = 64
-
-
-def _dtype(a) -> np.dtype:
-    return np.dtype(a.dtype) if hasattr(a, "dtype") else np.asarray(a).dtype
-
-
-def _signature(x, y):
-    return tuple((tuple(np.shape(a)), _dtype(a).name) for a in jax.tree.leaves((x, y)))
 
 
 def _apply_remat(graph: Graph, remat):
@@ -104,38 +133,68 @@ def update_only(grad_graph: Graph) -> Graph:
                  info={"grads_tree": tree})
 
 
-def _copy(tree):
-    return jax.tree.map(lambda a: jax.device_put(np.array(a)), tree)
+def _present(graph: Graph, roles) -> tuple:
+    """The state roles of `roles` whose new values `graph` outputs."""
+    return tuple(r for r in roles if "new_" + r in graph.output_roles)
+
+
+def _guard(graph: Graph, mode: str) -> Graph:
+    """The graph as the `on_nonfinite` mode runs it: "raise" keeps every state of a non-finite
+    step, "skip" its params and optimizer state (accumulators restart at the next period)."""
+    if mode == "ignore":
+        return graph
+    keep = STATE_ROLES if mode == "raise" else ("param", "opt_state")
+    return guard_nonfinite(graph, keep=_present(graph, keep))
+
+
+def _with_keys(fn):
+    """`fn` for params without their keys, the keys coming with the inputs."""
+    return lambda params, inputs: fn(merge_keys(params, inputs[1]), inputs[0])
 
 
 class Optimizer:
     """Training context: `init`, `step`, `step_period`, `evaluate`, `reset`, `save`/`load`."""
 
     def __init__(self, fn, tx, loss: str = "mean", period: int = 1, static: bool = True,
-                 remat=None):
+                 remat=None, on_nonfinite: str = "ignore"):
         if loss not in LOSS_SCALED_BY_PERIOD:
             raise TransformError(f"unknown loss type {loss!r}; known: "
                                  f"{sorted(LOSS_SCALED_BY_PERIOD)}")
-        if not isinstance(period, (int, np.integer)) or period < 1:
-            raise TransformError(f"period must be a positive int, got {period!r}")
-        self.fn, self.tx, self.loss, self.period = fn, tx, loss, int(period)
+        if not callable(fn):
+            raise ArgumentError(f"Optimizer: fn must be callable, got {type(fn).__name__}")
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise ArgumentError(f"Optimizer: tx must be an optax GradientTransformation (with "
+                                f"init and update), got {type(tx).__name__}")
+        # the counter is an int32 and reaches period - 1; `counter + 1` must not overflow
+        period = positive_int(period, "Optimizer: period", high=INT32_MAX)
+        self.fn, self.tx, self.loss, self.period = fn, tx, loss, period
         self.static, self.remat = bool(static), remat
+        self.on_nonfinite = choice(on_nonfinite, "Optimizer: on_nonfinite", NONFINITE_MODES)
         self.needs_labels = loss in NEEDS_LABELS
         self._builds: dict[tuple, _Build] = {}
         self._last: _Build | None = None
+        self._latest: TrainState | None = None
+        self._keyed = False  # the params hold typed PRNG keys (set by init)
         self._params_shape = None
         self._counters: dict[int, jax.Array] = {}  # micro-step index -> device scalar
 
     # -- building -------------------------------------------------------------------------------
     def _build(self, params, x, y) -> _Build:
-        loss_fn, has_aux = loss_function(self.fn, self.loss)
+        model = self.fn
+        if has_keys(params):  # keys in params are not trained: the graphs take them as data
+            params, keys = split_keys(params)
+            model, x = _with_keys(self.fn), (x, keys)
+        loss_fn, has_aux = loss_function(model, self.loss)
         args = (params, x) if y is None else (params, x, y)
         fwd = trace(loss_fn, *args, param_argnums=0, has_aux=has_aux)
         grad = _apply_remat(backward(fwd), self.remat)
         if self.period > 1:
             grad = accumulate(grad, self.period, self.loss)
         opt = optimizer_step(grad, self.tx)
-        graphs = {"forward": fwd, "grad": grad, "opt": opt, "reset": reset(opt)}
+        mode = self.on_nonfinite
+        # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
+        graphs = {"forward": fwd, "grad": _guard(grad, "ignore" if mode == "skip" else mode),
+                  "opt": _guard(opt, mode), "reset": reset(opt)}
         nargs = len(args)
         donate = self.static
         if self.period > 1:  # grad: (*args, acc, counter); opt: (*args, acc, counter, opt_state)
@@ -144,20 +203,25 @@ class Optimizer:
             grad_donate, opt_donate = (), (0, nargs)
         executables = {
             "forward": jax.jit(as_function(fwd)),
-            "grad": jax.jit(as_function(grad), donate_argnums=grad_donate if donate else ()),
-            "opt": jax.jit(as_function(opt), donate_argnums=opt_donate if donate else ()),
+            "grad": jax.jit(as_function(graphs["grad"]),
+                            donate_argnums=grad_donate if donate else ()),
+            "opt": jax.jit(as_function(graphs["opt"]),
+                           donate_argnums=opt_donate if donate else ()),
             "reset": jax.jit(as_function(graphs["reset"])),
         }
-        return _Build(graphs, executables, ndata_of(self.fn, params, x))
+        nclasses = class_count(model, self.loss, params, x, y)
+        return _Build(graphs, executables, ndata_of(model, params, x), nclasses, grad)
 
     def _for(self, x, y) -> _Build:
         if self.needs_labels and y is None:
             raise JGraphError(f"loss {self.loss!r} needs labels")
         if not self.needs_labels:
             y = None
-        key = _signature(x, y)
+        key = signature((x, y))
         build = self._builds.get(key)
         if build is None:
+            check_leaves(x, "inputs")
+            check_leaves(y, "labels")
             if self._params_shape is None:
                 raise JGraphError("Optimizer: call init(params, example_inputs, ...) first")
             if self.static and self._builds:
@@ -174,7 +238,7 @@ class Optimizer:
         params_key = jax.tree.structure(self._params_shape), tuple(
             (s.shape, s.dtype) for s in jax.tree.leaves(self._params_shape))
         shared_key = (self.fn, self.tx, self.loss, self.period, self.static, self.remat,
-                      params_key, key)
+                      self.on_nonfinite, params_key, key)
         try:
             build = _SHARED_BUILDS.get(shared_key)
         except TypeError:  # an unhashable part (a remat dict): no sharing
@@ -190,55 +254,149 @@ class Optimizer:
             self._counters[i] = jax.device_put(np.int32(i))
         return self._counters[i]
 
-    def _data(self, x, y):
+    def _data(self, x, y, keys=None):
+        x = x if keys is None else (x, keys)
         return (x, y) if self.needs_labels else (x,)
+
+    def _split(self, params):
+        """`(trainable params, PRNG keys among them or None)`."""
+        return split_keys(params) if self._keyed else (params, None)
+
+    def _merge(self, params, keys):
+        return params if keys is None else merge_keys(params, keys)
+
+    def _check_labels(self, build: _Build, labels) -> None:
+        """Class ids on the host must lie in [0, nclasses): one-hot encoding would silently turn
+        any other id into a zero row. (On the device such ids make the loss NaN, as in optax.)"""
+        if build.nclasses is None or not isinstance(labels, np.ndarray) or labels.size == 0:
+            return
+        if labels.min() < 0 or labels.max() >= build.nclasses:
+            at = tuple(int(i) for i in np.argwhere((labels < 0) | (labels >= build.nclasses))[0])
+            raise ArgumentError(f"labels must be class ids in [0, {build.nclasses}) for "
+                                f"{self.loss!r} over {build.nclasses} outputs; got "
+                                f"{labels[at]} at index {at}")
+
+    def check_labels(self, labels) -> None:
+        """`ArgumentError` if host labels hold a class id the model's outputs cannot match."""
+        if self._last is None:
+            raise JGraphError("Optimizer.check_labels: call init first")
+        self._check_labels(self._last, np.asarray(labels))
+
+    def _micro_step(self, state, what: str) -> int:
+        """The state's counter as an int in [0, period) (a Python int is fine)."""
+        counter = state.counter
+        if type(counter) is np.int32 and 0 <= counter < self.period:  # what steps produce
+            return int(counter)
+        if np.ndim(counter) != 0:
+            raise ArgumentError(f"{what}: state.counter must be a scalar, got shape "
+                                f"{np.shape(counter)}")
+        if isinstance(counter, np.ndarray | np.generic | jax.Array):
+            if not jnp.issubdtype(counter.dtype, jnp.integer):
+                raise ArgumentError(f"{what}: state.counter must be an integer, got "
+                                    f"{counter.dtype}")
+            counter = counter.item()
+        return integer(counter, f"{what}: state.counter", 0, self.period - 1)
+
+    @property
+    def latest_state(self) -> TrainState:
+        """The last state this Optimizer produced (init, step, step_period, reset or load):
+        complete and never donated, so it can be saved after a Ctrl-C anywhere in a step loop."""
+        if self._latest is None:
+            raise JGraphError("Optimizer.latest_state: no state yet; call init first")
+        return self._latest
+
+    def _record(self, state: TrainState) -> TrainState:
+        self._latest = state
+        return state
 
     # -- the ggml_opt_* operations ----------------------------------------------------------------
     def init(self, params, example_inputs, example_labels=None) -> TrainState:
         """Build (and in static mode compile) the graphs; return the reset state for `params`."""
-        self._params_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a)),
-                                          params)
+        check_leaves(params, "params")
+        self._params_shape = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), params)
+        self._keyed = has_keys(params)
         self._builds.clear()
         build = self._for(example_inputs, example_labels)
         lead = jax.tree.leaves(example_inputs)[0]
         self.batch_size = int(np.shape(lead)[0]) if np.ndim(lead) else 1
-        fresh = build.executables["reset"](params)
-        state = TrainState(_copy(params), fresh["opt_state"], fresh.get("grad_acc"), np.int32(0))
+        fresh = build.executables["reset"](self._split(params)[0])
+        state = TrainState(fresh_copy(params), fresh["opt_state"], fresh.get("grad_acc"),
+                           np.int32(0))
         build.state_template = jax.tree.map(
             lambda a: a if isinstance(a, np.ndarray | np.generic) else jax.ShapeDtypeStruct(
                 a.shape, a.dtype), state)
-        return state
+        return self._record(state)
 
     def step(self, state: TrainState, inputs, labels=None):
         """One backward micro-step; on the last micro-step of a period also the optimizer step."""
         build = self._for(inputs, labels)
-        ex, data = build.executables, self._data(inputs, labels)
-        i = int(state.counter)
-        if self.period == 1:
-            value, _, params, opt_state = ex["opt"](state.params, *data, state.opt_state)
-            new = TrainState(params, opt_state, None, np.int32(0))
-        elif i + 1 == self.period:
-            value, acc, _, params, opt_state = ex["opt"](
-                state.params, *data, state.grad_acc, self._counter(i), state.opt_state)
-            new = TrainState(params, opt_state, acc, np.int32(0))
-        else:
-            value, acc, _ = ex["grad"](state.params, *data, state.grad_acc, self._counter(i))
-            new = state._replace(grad_acc=acc, counter=np.int32(i + 1))
-        return new, self._output(value, build, self.period)
+        self._check_labels(build, labels)
+        i = self._micro_step(state, "Optimizer.step")
+        trainable, keys = self._split(state.params)
+        ex, data = build.executables, self._data(inputs, labels, keys)
+        name = "opt" if i + 1 == self.period else "grad"
+        guarded = build.graphs[name].info.get("finite_output") is not None
+        raising = guarded and self.on_nonfinite == "raise"
+        with held_sigint():  # from the donating call until the new state is recorded
+            if self.period == 1:
+                res = self._run(ex["opt"], state, trainable, *data, state.opt_state)
+                value, _, params, opt_state = res[:4]
+                new = TrainState(self._merge(params, keys), opt_state, None, np.int32(0))
+            elif name == "opt":
+                res = self._run(ex["opt"], state, trainable, *data, state.grad_acc,
+                                self._counter(i), state.opt_state)
+                value, acc, _, params, opt_state = res[:5]
+                new = TrainState(self._merge(params, keys), opt_state, acc, np.int32(0))
+            else:
+                res = self._run(ex["grad"], state, trainable, *data, state.grad_acc,
+                                self._counter(i))
+                value, acc, _ = res[:3]
+                new = state._replace(grad_acc=acc, counter=np.int32(i + 1))
+            finite = res[-1] if guarded else None
+            if raising:  # one bool per step; a Ctrl-C could not interrupt this wait anyway
+                finite = bool(finite)
+                if not finite:  # the graph kept the old values; so does the counter
+                    new = new._replace(counter=np.int32(i))
+            self._record(new)
+        if raising:
+            self._raise_if_nonfinite(finite, f"micro-step {i} of period {self.period}")
+        return new, self._output(value, build, self.period, finite)
+
+    def _run(self, executable, state, *args):
+        try:
+            return executable(*args)
+        except (RuntimeError, ValueError) as e:  # what jax raises for a deleted buffer
+            if deleted(state):
+                raise ArgumentError("Optimizer: this state's buffers were donated to a later step "
+                                    "and deleted; continue from the state that step returned "
+                                    "(or `opt.latest_state`)") from e
+            raise
+
+    def _raise_if_nonfinite(self, finite: bool, where: str) -> None:
+        if not finite:
+            raise NonFiniteError(f"Optimizer.step: non-finite loss, gradient or update at {where}; "
+                                 f"the update was dropped and the state is the one before the "
+                                 f"step (`error.state`, `opt.latest_state`). "
+                                 f"on_nonfinite='skip' drops such steps and goes on.",
+                                 state=self._latest)
 
     def evaluate(self, state: TrainState, inputs, labels=None) -> StepOutput:
         """Forward only: the loss (and predictions) at the current params; state is unchanged."""
         build = self._for(inputs, labels)
-        value = build.executables["forward"](state.params, *self._data(inputs, labels))
+        self._check_labels(build, labels)
+        trainable, keys = self._split(state.params)
+        value = self._run(build.executables["forward"], state, trainable,
+                          *self._data(inputs, labels, keys))
         return self._output(value, build, 1)
 
     def reset(self, state: TrainState, optimizer: bool = False) -> TrainState:
         """ggml_opt_reset: zero accumulators and the counter; with `optimizer`, also `tx.init`."""
         if self._last is None:
             raise JGraphError("Optimizer.reset: call init first")
-        fresh = self._last.executables["reset"](state.params)
+        fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0])
         new = state._replace(grad_acc=fresh.get("grad_acc"), counter=np.int32(0))
-        return new._replace(opt_state=fresh["opt_state"]) if optimizer else new
+        return self._record(new._replace(opt_state=fresh["opt_state"]) if optimizer else new)
 
     def grad_acc(self, state: TrainState):
         """The accumulated gradients (None when the period is 1: there are no accumulators)."""
@@ -261,15 +419,15 @@ class Optimizer:
             out["period"] = self._last.period_fn
         return out
 
-    def _output(self, value, build: _Build, period: int) -> StepOutput:
+    def _output(self, value, build: _Build, period: int, finite=None) -> StepOutput:
         loss, aux = value if isinstance(value, tuple) else (value, (None, None))
         return StepOutput(loss, aux[0], aux[1], build.ndata, period,
-                          LOSS_SCALED_BY_PERIOD[self.loss])
+                          LOSS_SCALED_BY_PERIOD[self.loss], finite)
 
     # -- a whole period in one call ---------------------------------------------------------------
     def step_period(self, state: TrainState, inputs_stack, labels_stack=None):
         """Run the `period` micro-steps of one period (stacked on axis 0) in one compiled call."""
-        if int(state.counter) != 0:
+        if self._micro_step(state, "Optimizer.step_period") != 0:
             raise JGraphError(f"step_period must start a period; the state is at micro-step "
                               f"{int(state.counter)} of {self.period}")
         lead = {np.shape(a)[0] for a in jax.tree.leaves((inputs_stack, labels_stack))}
@@ -278,17 +436,27 @@ class Optimizer:
                               f"got leading sizes {sorted(lead)}")
         run = self.period_function(inputs_stack, labels_stack)
         ys = labels_stack if self.needs_labels else None
-        params, acc, opt_state, value = run(state.params, state.grad_acc, state.opt_state,
-                                            inputs_stack, ys)
-        return TrainState(params, opt_state, acc, np.int32(0)), self._output(
-            value, self._last, self.period)
+        self._check_labels(self._last, ys)
+        with held_sigint():
+            trainable, keys = self._split(state.params)
+            params, acc, opt_state, value, finite = self._run(
+                run, state, trainable, state.grad_acc, state.opt_state, inputs_stack, ys, keys)
+            new = TrainState(self._merge(params, keys), opt_state, acc, np.int32(0))
+            self._record(new)
+            if self.on_nonfinite == "raise":
+                finite = bool(finite)
+        if self.on_nonfinite == "raise":
+            self._raise_if_nonfinite(finite, "the period run by step_period")
+        return new, self._output(value, self._last, self.period,
+                                 None if self.on_nonfinite == "ignore" else finite)
 
     def period_function(self, inputs_stack, labels_stack=None):
-        """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack) -> (params,
-        grad_acc, opt_state, stacked outputs)` behind `step_period` (`.lower(...)` it to read
-        XLA's memory figures). All three state parts are donated (static mode); the outputs come
-        in the order of the inputs, because jax pairs donated buffers with outputs of the same
-        shape in order: any other order makes XLA copy every state buffer into its place."""
+        """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack[, keys]) ->
+        (params, grad_acc, opt_state, stacked outputs, finite)` behind `step_period` (`.lower(...)`
+        it to read XLA's memory figures). All three state parts are donated (static mode); the
+        outputs come in the order of the inputs, because jax pairs donated buffers with outputs of
+        the same shape in order: any other order makes XLA copy every state buffer into its
+        place."""
         index = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731 - one example batch
         build = self._for(index(inputs_stack), None if labels_stack is None else
                           index(labels_stack))
@@ -297,47 +465,98 @@ class Optimizer:
         return build.period_fn
 
     def _period_function(self, build: _Build):
-        period, labelled = self.period, self.needs_labels
+        period, labelled, mode = self.period, self.needs_labels, self.on_nonfinite
         if period == 1:
             opt_f = as_function(build.graphs["opt"])
         else:  # scan the grad graph over all micro-batches, then apply the update alone
-            grad_f = as_function(build.graphs["grad"])
-            build.graphs["update"] = optimizer_step(update_only(build.graphs["grad"]), self.tx)
+            grad_f = as_function(build.plain_grad)  # unguarded: the update checks the period
+            build.graphs["update"] = _guard(optimizer_step(update_only(build.plain_grad),
+                                                           self.tx), mode)
             update_f = as_function(build.graphs["update"])
 
-        def data(xs, ys, i):
+        def data(xs, ys, i, keys):
             pick = lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-            return (jax.tree.map(pick, xs),) + ((jax.tree.map(pick, ys),) if labelled else ())
+            x = jax.tree.map(pick, xs)
+            x = x if keys is None else (x, keys)
+            return (x,) + ((jax.tree.map(pick, ys),) if labelled else ())
 
-        def run(params, acc, opt_state, xs, ys):
+        guarded = mode != "ignore"
+
+        def run(params, acc, opt_state, xs, ys, keys=None):
             if period == 1:
-                value, _, params, opt_state = opt_f(params, *data(xs, ys, 0), opt_state)
-                return params, acc, opt_state, jax.tree.map(lambda v: v[None], value)
+                out = opt_f(params, *data(xs, ys, 0, keys), opt_state)
+                value, _, params, opt_state = out[:4]
+                finite = out[-1] if guarded else jnp.bool_(True)
+                return params, acc, opt_state, jax.tree.map(lambda v: v[None], value), finite
 
             def body(carry, batch):
                 acc, counter = carry
+                if keys is not None:
+                    batch = ((batch[0], keys),) + tuple(batch[1:])
                 value, acc, counter = grad_f(params, *batch, acc, counter)
                 return (acc, counter), value
 
             batches = (xs, ys) if labelled else (xs,)
             (acc, _), values = lax.scan(body, (acc, jnp.int32(0)), batches)
-            acc, params, opt_state = update_f(params, acc, opt_state)
-            return params, acc, opt_state, values
+            out = update_f(params, acc, opt_state)
+            acc, params, opt_state = out[:3]
+            finite = out[-1] if guarded else jnp.bool_(True)
+            return params, acc, opt_state, values, finite
 
         return jax.jit(run, donate_argnums=(0, 1, 2) if self.static else ())
 
     # -- saving -----------------------------------------------------------------------------------
+    def _template(self, what: str):
+        if self._last is None or self._last.state_template is None:
+            raise JGraphError(f"Optimizer.{what}: call init(params, example_inputs) first, so "
+                              f"the optimizer knows the state's structure")
+        return self._last.state_template
+
+    def settings(self) -> dict:
+        """The settings a state file records and `load` requires to match."""
+        return {"format": "jgraph.Optimizer", "loss": self.loss, "period": self.period}
+
+    def checked_state(self, state, what: str = "Optimizer.save") -> TrainState:
+        """`state` if it is a state of this Optimizer (structure, shapes, dtypes, counter in
+        range), with its counter as `np.int32`; `ArgumentError` naming the leaf otherwise."""
+        template = self._template(what.split(".")[-1])
+        if jax.tree.structure(state) != jax.tree.structure(template) or not isinstance(
+                state, TrainState):
+            raise ArgumentError(f"{what}: not a state of this Optimizer: its structure is "
+                                f"{jax.tree.structure(state)}, expected "
+                                f"{jax.tree.structure(template)}")
+        state = state._replace(counter=np.int32(self._micro_step(state, what)))
+        for (path, leaf), like in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                                      jax.tree.leaves(template), strict=True):
+            if tuple(np.shape(leaf)) != tuple(like.shape) or dtype_of(leaf) != like.dtype:
+                raise ArgumentError(f"{what}: state{jax.tree_util.keystr(path)} is "
+                                    f"{dtype_of(leaf)}{list(np.shape(leaf))}, expected "
+                                    f"{like.dtype}{list(like.shape)}")
+        return state
+
     def save(self, state: TrainState, path, dataset=None, extra=None) -> None:
-        """Write the whole training state (and a dataset's order) atomically to `path`."""
+        """Write the whole training state (and a dataset's order) atomically to `path`.
+
+        The state is checked first (a donated, foreign or malformed state raises
+        `ArgumentError` and writes nothing); `extra` is any JSON-serialisable value."""
         from jgraph.training.state_io import save_state
 
-        save_state(path, state, dataset=dataset, extra=extra)
+        save_state(path, self.checked_state(state), dataset=dataset, extra=extra,
+                   meta=self.settings())
 
-    def load(self, path, dataset=None) -> TrainState:
-        """Read a state written by `save`; checks version, checksum, structure, shapes, dtypes."""
-        from jgraph.training.state_io import load_state
+    def load(self, path, dataset=None, extra: bool = False):
+        """Read a state written by `save` (and set `dataset`'s order); with `extra=True`, return
+        `(state, extra)`. Everything read is checked (see `state_io`); a bad file raises
+        `StateFileError` naming the field and changes nothing."""
+        from jgraph.training.state_io import StateFileError, read_state
 
-        if self._last is None or self._last.state_template is None:
-            raise JGraphError("Optimizer.load: call init(params, example_inputs) first, so the "
-                              "optimizer knows the state's structure")
-        return load_state(path, self._last.state_template, dataset=dataset)
+        template = self._template("load")
+        nshards = None if dataset is None else dataset.nshards
+        state, permutation, header = read_state(path, template, nshards, meta=self.settings())
+        if not 0 <= int(state.counter) < self.period:
+            raise StateFileError(f"{path}: field counter is {int(state.counter)}, outside "
+                                 f"[0, {self.period}) for period {self.period}")
+        if dataset is not None:
+            dataset.permutation = permutation
+        self._record(state)
+        return (state, header.get("extra")) if extra else state

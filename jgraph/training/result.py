@@ -6,7 +6,9 @@ standard error of the mean as uncertainty, or the sum for `sum` losses, with the
 deviation. `accuracy()` is `ncorrect / ndata` with a binomial standard error. Undefined values are
 NaN (an uncertainty from fewer than 2 batches or datapoints, an accuracy without predictions), and
 `loss()` of an empty result is (0, NaN), as in ggml-opt. Device values are read lazily, so adding
-an output never waits for the device.
+an output never waits for the device. `nonfinite` counts the steps whose finite check failed
+(guarded Optimizers). `to_json`/`from_json` carry the statistics (not the predictions) through a
+checkpoint, exactly (float32 losses are exact as JSON floats).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Result:
         self._ncorrect = 0
         self._has_ncorrect = True
         self._per_datapoint: bool | None = None
+        self._nonfinite = 0
         self.ndata = 0
 
     def add(self, out) -> None:
@@ -53,7 +56,15 @@ class Result:
                 self._preds.append(np.asarray(out.pred).reshape(-1))
             if out.ncorrect is not None:
                 self._ncorrect += int(np.sum(np.asarray(out.ncorrect, np.int64)))
+            if getattr(out, "finite", None) is not None:
+                self._nonfinite += int(np.sum(~np.asarray(out.finite, np.bool_)))
         self._pending.clear()
+
+    @property
+    def nonfinite(self) -> int:
+        """Steps whose finite check failed (their update was dropped or raised)."""
+        self._flush()
+        return self._nonfinite
 
     @property
     def nbatches(self) -> int:
@@ -92,3 +103,33 @@ class Result:
         """All predictions so far, in order."""
         self._flush()
         return np.concatenate(self._preds) if self._preds else np.zeros(0, np.int32)
+
+    def to_json(self) -> dict:
+        """The statistics as JSON-serialisable values (predictions are not kept)."""
+        return {"losses": [float(v) for v in self.losses()], "ncorrect": self._ncorrect,
+                "has_ncorrect": self._has_ncorrect, "per_datapoint": self._per_datapoint,
+                "nonfinite": self._nonfinite, "ndata": self.ndata}
+
+    @classmethod
+    def from_json(cls, obj, where: str = "result") -> Result:
+        """The inverse of `to_json`; `JGraphError` naming the field if `obj` is malformed."""
+        kinds = {"losses": list, "ncorrect": int, "has_ncorrect": bool,
+                 "per_datapoint": (bool, type(None)), "nonfinite": int, "ndata": int}
+        if not isinstance(obj, dict) or set(obj) != set(kinds):
+            raise JGraphError(f"{where} must be an object with fields {sorted(kinds)}")
+        for name, kind in kinds.items():
+            value = obj[name]
+            wrong = isinstance(value, bool) and kind is int
+            if wrong or not isinstance(value, kind) or (kind is int and value < 0):
+                raise JGraphError(f"{where}.{name} is {value!r:.60}, not a valid "
+                                  f"{getattr(kind, '__name__', 'value')}")
+        losses = obj["losses"]
+        if not all(isinstance(v, float | int) and not isinstance(v, bool) for v in losses):
+            raise JGraphError(f"{where}.losses must be a list of numbers")
+        r = cls()
+        if losses:
+            r._losses.append(np.asarray(losses, np.float32))
+        r._ncorrect, r._has_ncorrect = obj["ncorrect"], obj["has_ncorrect"]
+        r._per_datapoint, r._nonfinite, r.ndata = (obj["per_datapoint"], obj["nonfinite"],
+                                                   obj["ndata"])
+        return r
