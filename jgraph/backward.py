@@ -11,7 +11,6 @@ Outputs are arranged as `jax.value_and_grad(fn, argnums=param_argnums, has_aux=h
 from __future__ import annotations
 
 import functools
-import gc
 
 import jax
 import jax.numpy as jnp
@@ -77,15 +76,7 @@ def backward(graph: Graph) -> Graph:
     if accumulators and len(accumulators) != len(params):
         raise TransformError(f"backward: {len(accumulators)} accumulator inputs for "
                              f"{len(params)} params")
-    # The pass allocates two objects per eqn and frees none: the cyclic collector would rescan
-    # the whole graph again and again (quadratic time), so it is paused.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        grads, eqns = _backward_eqns(graph, loss, params, seeds, accumulators)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    grads, eqns = _backward_eqns(graph, loss, params, seeds, accumulators)
     return dce(graph.replace(
         eqns=graph.eqns + eqns,
         outputs=graph.outputs + tuple(grads),

@@ -216,7 +216,7 @@ def rewritten_by_tracer() -> frozenset[str]:
     return frozenset(_HANDLERS)
 
 
-@handler("jit", "pjit", "closed_call", "core_call")
+@handler("jit", "pjit", "closed_call", "core_call", "call")
 def _inline_call(b: Builder, eqn, inputs):
     jaxpr, consts = internals.call_body(eqn.params)
     return b.inline(jaxpr, consts, inputs)

@@ -34,7 +34,7 @@ OUTPUT_ROLES = frozenset(
 TAGS = frozenset({"backward", "recompute", "no_cse"})
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Var:
     aval: ShapedArray  # shape, dtype and weak type of the value
 
@@ -42,7 +42,7 @@ class Var:
         return f"Var({short_aval(self.aval)})"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Literal:
     value: Any  # a numpy scalar or array of `aval`'s dtype (closed-over constants are literals too)
     aval: ShapedArray  # abstract value of `value`
@@ -54,7 +54,7 @@ class Literal:
 Atom = Union[Var, Literal]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Eqn:
     op: str  # name of the op; its rules live in the tables of `jgraph.ops`, `jgraph.vjp`, ...
     inputs: tuple[Atom, ...]  # operands

@@ -53,11 +53,42 @@ def has_op(name: str) -> bool:
     return name in shape_rules and name in lowerings
 
 
+# Public primitives that are not ops: JAX's internal linearization (`custom_lin`) and mutable-ref
+# state (`get`, `swap`: effects, which the tracer refuses).
+NOT_OPS = frozenset({"custom_lin", "get", "swap"})
+
+
 def register_jax_primitives(rewritten: frozenset[str]) -> None:
     """Make every public JAX primitive (`jax.extend.core.primitives`) an op, except those the
-    tracer rewrites and jgraph's own ops of the same name. Any other first-order primitive is
-    registered by the tracer when it meets it."""
-    for value in vars(jex_core.primitives).values():
-        if isinstance(value, Primitive) and value.name not in rewritten \
-                and value.name not in shape_rules:
+    tracer rewrites, `NOT_OPS` and jgraph's own ops of the same name. Any other first-order
+    primitive is registered by the tracer when it meets it."""
+    found = [v for v in vars(jex_core.primitives).values() if isinstance(v, Primitive)]
+    for value in found + _unlisted_primitives():
+        if value.name not in rewritten | NOT_OPS and value.name not in shape_rules:
             defprim(value)
+
+
+def _unlisted_primitives() -> list[Primitive]:
+    """Primitives that `jax.extend.core.primitives` does not list, taken from the jaxprs of the
+    public functions that bind them."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    perm = jax.ShapeDtypeStruct((4,), jnp.int32)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    public = [
+        (lambda x: jnp.stack([x, x]), x), (lambda x: jnp.tile(x, 2), x),
+        (lambda x: jnp.split(x, 2), x), (lambda x: jnp.unstack(x.reshape(2, 2)), x),
+        (lambda x: lax.optimization_barrier(x), x), (lambda x: x.at[0].subtract(1.0), x),
+        (lambda p: lax.linalg.lu_pivots_to_permutation(p, 4), perm),
+        (lambda k: jax.random.key_data(jax.random.wrap_key_data(k)), key),
+    ]
+    prims = []
+    for fn, arg in public:
+        try:
+            prims += [e.primitive for e in jax.make_jaxpr(fn)(arg).jaxpr.eqns]
+        except Exception:  # pragma: no cover - the tracer registers what it meets anyway
+            continue
+    return prims

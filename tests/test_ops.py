@@ -356,3 +356,29 @@ def test_registry_complete(op):
     assert op in ops.shape_rules, f"no shape rule for {op}"
     assert op in ops.lowerings, f"no lowering for {op}"
     assert op in vjp.vjp_rules or op in vjp.NON_DIFFERENTIABLE, f"{op}: no VJP rule, not marked"
+
+
+def test_every_registered_op_is_differentiable_or_says_why_not():
+    """Every op in the shape-rule table has a lowering and a VJP rule, or is non-differentiable
+    (zero gradient, as in JAX), or is in the documented NO_VJP_RULE set."""
+    for op in ops.shape_rules:
+        assert op in ops.lowerings, f"{op}: a shape rule but no lowering"
+        kinds = [op in vjp.vjp_rules, op in vjp.NON_DIFFERENTIABLE | vjp.CUTS_GRADIENT,
+                 op in vjp.NO_VJP_RULE]
+        assert sum(kinds) == 1, f"{op}: rule / non-differentiable / NO_VJP_RULE = {kinds}"
+
+
+@pytest.mark.parametrize("op", sorted(vjp.NO_VJP_RULE))
+def test_an_op_without_a_rule_on_the_gradient_path_is_an_error_saying_why(op):
+    from jgraph.builder import Builder
+
+    aval = jax.core.ShapedArray((2,), np.dtype("float32"))
+    eqn = jg.Eqn(op, (jg.Var(aval),), {}, (jg.Var(aval),), source="model.py:7 (f)")
+    with pytest.raises(jg.TransformError, match=rf"no VJP rule for op '{op}': .+ at model.py:7"):
+        vjp.apply_rule(Builder(), eqn, [eqn.outputs[0]])
+
+
+def test_special_function_without_a_rule_fails_at_the_users_line():
+    f = lambda a: jnp.sum(jax.scipy.special.gammainc(a, 2.0))
+    with pytest.raises(jg.TransformError, match=r"'igamma': special function .*test_ops.py:\d+"):
+        jg.backward(jg.trace(f, jnp.ones(3), param_argnums=0))

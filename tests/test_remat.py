@@ -375,6 +375,14 @@ def test_recomputed_dots_survive_xla_in_the_compiled_hlo():
     outer = jax.jit(lambda p, x: inner(p, x)[1]).lower(params, x).compile().as_text()
     assert outer.count(" dot(") == jax.jit(lambda p, x: jg.compile(gb)(p, x)[1]).lower(
         params, x).compile().as_text().count(" dot(") + n_recomputed
+    # ... and under the user's vmap (over a batch of inputs)
+    xs = jnp.stack([x, 2 * x])
+
+    def batched(g):
+        f = jg.compile(g)
+        return jax.jit(jax.vmap(lambda x: f(params, x)[1])).lower(xs).compile().as_text()
+
+    assert batched(gr).count(" dot(") == batched(gb).count(" dot(") + n_recomputed
 
 
 def test_without_protection_xla_merges_the_recompute_back():
@@ -415,6 +423,7 @@ def test_protection_never_waits_on_a_constant():
     step, split = donated_step(gr)
     hlo = step.lower(*split(jnp.copy(W), X)).compile().as_text()
     assert "direction=LT" in hlo and " select(" in hlo  # the protection survives XLA
+    assert " abs(" in hlo and " negate(" in hlo  # c < -|c|: never folded to a constant
 
 
 def test_protected_step_is_bitwise_equal_and_donates():

@@ -39,8 +39,31 @@ NON_DIFFERENTIABLE = frozenset(
      "mulhi", "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
      "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform", "nextafter",
      "reduce_and", "reduce_or", "reduce_xor", "bitcast_convert_type", "zeros_like",
-     "create_token", "after_all", "platform_index", "empty", "empty2"}
+     "create_token", "after_all", "platform_index", "empty", "empty2",
+     "lu_pivots_to_permutation"}
 )
+# Ops that are registered (they trace, evaluate and compile) but have no VJP rule, and why. On the
+# gradient path each is a TransformError naming the op, the reason and the user's line.
+NO_VJP_RULE = {
+    **dict.fromkeys(("psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+                     "ragged_all_to_all", "axis_index"),
+                    "a collective over named axes: only meaningful inside shard_map/pmap, which "
+                    "jgraph does not trace (use jg.Optimizer(mesh=...) for data parallelism)"),
+    **dict.fromkeys(("igamma", "igammac", "igamma_grad_a", "random_gamma",
+                     "regularized_incomplete_beta", "zeta"),
+                    "special function without a jgraph rule yet (jax.scipy.special.gammainc, "
+                    "betainc, zeta, jax.random.gamma)"),
+    **dict.fromkeys(("hessenberg", "householder_product", "schur", "tridiagonal",
+                     "tridiagonal_solve", "approx_top_k"),
+                    "no jgraph rule yet (rarely on a training path); JAX differentiates some"),
+    "reduce_window": "a windowed reduction with a user computation: only the sum/max/min "
+                     "windows (reduce_window_sum/max/min) have rules",
+    "select_and_scatter": "XLA's select-and-scatter with a user computation (JAX has no "
+                          "VJP for it either)",
+    "sharding_constraint": "sharding annotations get their rule with data parallelism",
+    "while": "a loop with a data-dependent trip count has no reverse-mode derivative (as in "
+             "JAX); use lax.scan or lax.fori_loop with static bounds",
+}
 
 
 def add_cotangents(a, b):
@@ -67,8 +90,9 @@ def apply_rule(b, eqn, out_cts, needed=None):
     if rule is None:
         if eqn.op in NON_DIFFERENTIABLE or not any(is_float(v.aval) for v in eqn.outputs):
             return [None] * len(eqn.inputs)
+        why = f": {NO_VJP_RULE[eqn.op]}" if eqn.op in NO_VJP_RULE else ""
         raise TransformError(
-            f"no VJP rule for op {eqn.op!r}, which is on the gradient path"
+            f"no VJP rule for op {eqn.op!r}{why}; it is on the gradient path"
             + (f" at {eqn.source}" if eqn.source else "")
             + " (jgraph never substitutes a zero gradient)"
         )
@@ -142,7 +166,7 @@ from jgraph.vjp import (  # noqa: E402
     structural,
 )
 
-__all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "add_cotangents", "apply_rule", "contractions",
-           "custom", "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "fft",
+__all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "NO_VJP_RULE", "add_cotangents", "apply_rule",
+           "contractions", "custom", "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "fft",
            "indexing", "linalg", "linear_solve", "reductions", "structural", "unbroadcast",
            "vjp_rules"]
