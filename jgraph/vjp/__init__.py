@@ -167,6 +167,6 @@ from jgraph.vjp import (  # noqa: E402
 )
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "NO_VJP_RULE", "add_cotangents", "apply_rule",
-           "contractions", "custom", "defbinary", "deflinear", "defunary", "defvjp", "elementwise", "fft",
-           "indexing", "linalg", "linear_solve", "reductions", "structural", "unbroadcast",
-           "vjp_rules"]
+           "contractions", "custom", "defbinary", "deflinear", "defunary", "defvjp",
+           "elementwise", "fft", "indexing", "linalg", "linear_solve", "reductions", "structural",
+           "unbroadcast", "vjp_rules"]
