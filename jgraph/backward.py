@@ -3,8 +3,10 @@
 A value needs a gradient iff it is floating and lies on a path from a `param` input to the `loss`
 output. Walking the schedule in reverse, each eqn with a cotangent on an output and an input that
 needs a gradient emits the eqns of its VJP rule (`jgraph.vjp`), tagged `backward`. Fan-out
-cotangents are summed. The loss cotangent is 1, or the `loss_seed` input when the graph has one.
-With `accumulator` inputs (one per param, in param order) each grad output is accumulator + grad.
+cotangents are summed. The loss cotangent (the seed) is 1, or the `loss_seed` input when the graph
+has one; the result records it as `info["loss_seed"]`, so that `jgraph.training.accumulate` scales
+the gradients by scaling the seed (the backward pass is linear in it). Accumulating gradients over
+micro-steps is `accumulate`'s job, not this pass's.
 Outputs are arranged as `jax.value_and_grad(fn, argnums=param_argnums, has_aux=has_aux)` returns.
 """
 
@@ -71,17 +73,20 @@ def backward(graph: Graph) -> Graph:
         raise TransformError("backward: the graph has no 'param' input; pass param_argnums= to "
                              "jg.trace")
     _check_param_dtypes(graph, params)
+    if "accumulator" in graph.input_roles:
+        raise TransformError("backward: the graph has accumulator inputs; accumulate gradients "
+                             "with jg.accumulate(jg.backward(forward_graph), period)")
     seeds = graph.inputs_with_role("loss_seed")
-    accumulators = graph.inputs_with_role("accumulator")
-    if accumulators and len(accumulators) != len(params):
-        raise TransformError(f"backward: {len(accumulators)} accumulator inputs for "
-                             f"{len(params)} params")
-    grads, eqns = _backward_eqns(graph, loss, params, seeds, accumulators)
+    if len(seeds) > 1:
+        raise TransformError(f"backward: {len(seeds)} loss_seed inputs; a graph has at most one")
+    seed = seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval)
+    grads, eqns = _backward_eqns(graph, loss, params, seed)
     return dce(graph.replace(
         eqns=graph.eqns + eqns,
         outputs=graph.outputs + tuple(grads),
         output_roles=graph.output_roles + ("grad",) * len(grads),
         out_tree=_value_and_grad_tree(graph),
+        info={**graph.info, "loss_seed": seed},
     ))
 
 
@@ -97,7 +102,7 @@ def _check_param_dtypes(graph: Graph, params) -> None:
                 "in the param arguments.")
 
 
-def _backward_eqns(graph, loss, params, seeds, accumulators):
+def _backward_eqns(graph, loss, params, seed):
     """The backward eqns, walking the schedule in reverse; returns (grad atoms, eqns)."""
     needs = needs_gradient(graph, loss)
     b = Builder(tags={"backward"})
@@ -107,7 +112,7 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
         cts[v] = ct if v not in cts else b.call(vjp.add_cotangents, cts[v], ct)[0]
 
     if isinstance(loss, Var) and loss in needs:
-        add_ct(loss, seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval))
+        add_ct(loss, seed)
     for eqn in reversed(graph.eqns):
         if not any(v in cts for v in eqn.outputs):
             continue
@@ -124,12 +129,10 @@ def _backward_eqns(graph, loss, params, seeds, accumulators):
 
     b.source = ""
     grads = []
-    for k, p in enumerate(params):
+    for p in params:
         g = cts.get(p)
         if g is None:  # the loss does not depend on this param: a zero gradient
             g = b.call(jnp.zeros_like, p)[0]
-        if accumulators:
-            g = b.call(vjp.add_cotangents, accumulators[k], g)[0]
         grads.append(g)
     return grads, tuple(b.eqns)
 

@@ -63,6 +63,22 @@ def test_transforms_give_checked_graphs_with_roles():
     assert "accumulator" not in gb.input_roles and "opt_state" not in gb.input_roles
 
 
+@pytest.mark.parametrize("loss, scale", [("mean", 0.25), ("sum", 1.0)])
+def test_accumulate_scales_the_loss_seed_not_the_gradients(loss, scale):
+    p = init_params()
+    gb = jg.backward(jg.trace(lambda p, x: jnp.mean(mlp(p, x)), p, X[:8], param_argnums=0))
+    ga = jg.accumulate(gb, period=4, loss=loss)
+    assert float(ga.info["loss_seed"].value) == scale  # the backward starts from the scale
+    assert float(gb.info["loss_seed"].value) == 1.0  # gb is untouched
+    added = ga.eqns[len(gb.eqns):]  # after the backward: loss scale, accumulation, counter
+    grads = set(gb.outputs_with_role("grad"))
+    assert not any(e.op == "mul" and grads & set(e.inputs) for e in added)
+    acc = jax.tree.map(jnp.zeros_like, p)
+    _, new_acc, _ = jg.compile(ga)(p, X[:8], acc, np.int32(0))
+    want = jax.grad(lambda p: scale * jnp.mean(mlp(p, X[:8])))(p)
+    assert_tree_close(new_acc, want, rtol=1e-6, atol=1e-8)
+
+
 def test_transform_errors_name_the_problem():
     p = init_params()
     g = jg.trace(lambda p, x: jnp.mean(mlp(p, x)), p, X[:8], param_argnums=0)

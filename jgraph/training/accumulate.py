@@ -4,17 +4,20 @@ The input is a joint graph from `backward` (possibly rematerialized) returning `
 The result takes one `accumulator` input per grad and a `counter` input (the micro-step's index in
 the period) and returns `(value, new_accumulators, new_counter)`, where
 
-    new_acc = (0 if counter == 0 else acc) + s * grad,    new_counter = (counter + 1) % period.
+    new_acc = (0 if counter == 0 else acc) + grad_s,    new_counter = (counter + 1) % period,
 
-Accumulators are zeroed at the start of every period, in static and dynamic mode alike (ggml's
-dynamic graphs never re-zero them: not copied). `s` is ggml-opt's loss scale: per-datapoint losses
-(`mean`, `mse`, `cross_entropy`) are scaled by 1/period so the accumulated gradient is the gradient
-of the whole logical batch; `sum` is never scaled. Scaling the loss by `s` scales its cotangent
-seed, hence (the backward pass being linear in the seed) every gradient, by `s`: both the recorded
-loss and the grads are scaled here. Result statistics undo the scaling (`jg.Result`).
+and grad_s is the gradient of `s * loss`. Accumulators are zeroed at the start of every period, in
+static and dynamic mode alike (ggml's dynamic graphs never re-zero them: not copied). `s` is
+ggml-opt's loss scale: per-datapoint losses (`mean`, `mse`, `cross_entropy`) are scaled by 1/period
+so the accumulated gradient is the gradient of the whole logical batch; `sum` is never scaled.
+Scaling the loss by `s` scales its cotangent seed: that is how the gradients are scaled, in one
+place, the seed `backward` recorded (`info["loss_seed"]`), which becomes `s` (or `s * seed` for a
+`loss_seed` input). The recorded loss is scaled too; result statistics undo that (`jg.Result`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +26,7 @@ from jax.core import ShapedArray
 
 from jgraph.builder import Builder
 from jgraph.errors import TransformError
-from jgraph.ir import Graph, Var
+from jgraph.ir import Graph, Literal, Var
 from jgraph.training.graphs import LEAF, call_parts, gradient_outputs, grads_tree, tuple_tree
 
 LOSS_SCALED_BY_PERIOD = {"sum": False, "mean": True, "mse": True, "cross_entropy": True}
@@ -40,8 +43,8 @@ def _scaled(x, *, scale):
     return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
-def _accumulate(acc, grad, counter, *, scale):
-    return jnp.where(counter == 0, jnp.zeros_like(acc), acc) + _scaled(grad, scale=scale)
+def _accumulate(acc, grad, counter):
+    return jnp.where(counter == 0, jnp.zeros_like(acc), acc) + grad
 
 
 def _next_counter(counter, *, period):
@@ -61,6 +64,7 @@ def accumulate(graph: Graph, period: int, loss: str = "mean") -> Graph:
     tree = grads_tree(graph)
     value_tree, _ = call_parts(graph.out_tree, "accumulate")
 
+    graph = _with_scaled_seed(graph, scale)
     b = Builder()
     accs = tuple(Var(graph.outputs[k].aval) for k in grad_pos)
     counter = Var(ShapedArray((), np.dtype(np.int32)))
@@ -68,7 +72,7 @@ def accumulate(graph: Graph, period: int, loss: str = "mean") -> Graph:
     for k, r in enumerate(graph.output_roles):
         if r == "loss":
             outputs[k] = b.call(_scaled, graph.outputs[k], scale=scale)[0]
-    new_accs = [b.call(_accumulate, a, graph.outputs[k], counter, scale=scale)[0]
+    new_accs = [b.call(_accumulate, a, graph.outputs[k], counter)[0]
                 for a, k in zip(accs, grad_pos, strict=True)]
     new_counter = b.call(_next_counter, counter, period=int(period))[0]
     value = [a for k, a in enumerate(outputs) if k not in grad_pos]
@@ -86,3 +90,23 @@ def accumulate(graph: Graph, period: int, loss: str = "mean") -> Graph:
               "loss_scale": scale},
     )
 
+
+
+def _with_scaled_seed(graph: Graph, scale: float) -> Graph:
+    """`graph` whose backward starts from `scale` times its recorded loss seed."""
+    seed = graph.info.get("loss_seed")
+    if scale == 1.0 or seed is None:  # no seed: the loss does not depend on any param
+        return graph
+    b = Builder(tags={"backward"})
+    if isinstance(seed, Literal):
+        value = np.asarray(seed.value * scale, seed.aval.dtype)
+        scaled = Literal(value[()], seed.aval)
+    else:  # a loss_seed input: scale it where the backward starts
+        scaled = b.call(_scaled, seed, scale=scale)[0]
+    swap = lambda a: scaled if a is seed else a  # noqa: E731 - identity: the seed object itself
+    eqns = tuple(dataclasses.replace(e, inputs=tuple(map(swap, e.inputs)))
+                 if any(a is seed for a in e.inputs) else e for e in graph.eqns)
+    first = next((i for i, e in enumerate(eqns) if "backward" in e.tags), len(eqns))
+    return graph.replace(eqns=eqns[:first] + tuple(b.eqns) + eqns[first:],
+                         outputs=tuple(map(swap, graph.outputs)),
+                         info={**graph.info, "loss_seed": scaled})

@@ -194,7 +194,7 @@ class Optimizer:
         mode = self.on_nonfinite
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
         graphs = {"forward": fwd, "grad": _guard(grad, "ignore" if mode == "skip" else mode),
-                  "opt": _guard(opt, mode), "reset": reset(opt)}
+                  "opt": _guard(opt, mode), "reset": reset(opt, self.tx)}
         nargs = len(args)
         donate = self.static
         if self.period > 1:  # grad: (*args, acc, counter); opt: (*args, acc, counter, opt_state)

@@ -43,8 +43,11 @@ def _init(*params, tx, tree):
     return jax.tree.leaves(tx.init(jax.tree.unflatten(tree, params)))
 
 
-def reset(graph: Graph) -> Graph:
-    """The graph `params -> {state part: reset value}` for the state inputs of `graph`."""
+def reset(graph: Graph, tx=None) -> Graph:
+    """The graph `params -> {state part: reset value}` for the state inputs of `graph`.
+
+    The optimizer state is `tx.init(params)`, for the optax transformation `tx` given, or else
+    the one `optimizer_step` recorded on the graph (DESIGN §6 keeps `jg.reset(go)` working)."""
     tree = grads_tree(graph)
     params = tuple(Var(p.aval) for p in grad_params(graph))
     b = Builder()
@@ -61,7 +64,7 @@ def reset(graph: Graph) -> Graph:
     if "loss_seed" in graph.input_roles:
         parts["loss_seed"] = (zeros_like("loss_seed", _ones), "new_loss_seed", LEAF)
     if "opt_state" in graph.input_roles or "tx" in graph.info:  # (SGD's state has no leaves)
-        tx, state_tree = graph.info.get("tx"), graph.info.get("opt_state_tree")
+        tx, state_tree = tx or graph.info.get("tx"), graph.info.get("opt_state_tree")
         if tx is None:
             raise TransformError("reset: the graph has opt_state inputs but no recorded optax "
                                  "transformation (build it with jg.optimizer_step)")
