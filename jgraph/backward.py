@@ -25,20 +25,30 @@ from jgraph.ir import Graph, Literal, Var, short_aval
 from jgraph.passes import dce
 
 
-def needs_gradient(graph: Graph, loss: Var) -> set[Var]:
-    """Floating variables on a path from a param input to `loss`."""
-    active = {v for v, r in zip(graph.inputs, graph.input_roles, strict=True)
-              if r == "param" and _floating(v.aval.dtype)}
+def active_values(graph: Graph, active_inputs) -> set[Var]:
+    """Floating variables that depend on one of `active_inputs` (a forward sweep)."""
+    active = {v for v in active_inputs if _floating(v.aval.dtype)}
     for eqn in graph.eqns:
         if eqn.op in vjp.CUTS_GRADIENT:
             continue
         if any(type(a) is Var and a in active for a in eqn.inputs):
             active.update(v for v in eqn.outputs if _floating(v.aval.dtype))
-    useful = {loss} if isinstance(loss, Var) else set()
+    return active
+
+
+def useful_values(graph: Graph, targets) -> set[Var]:
+    """Variables some of `targets` depend on (a backward sweep)."""
+    useful = {a for a in targets if type(a) is Var}
     for eqn in reversed(graph.eqns):
         if eqn.op not in vjp.CUTS_GRADIENT and any(v in useful for v in eqn.outputs):
             useful.update(a for a in eqn.inputs if type(a) is Var)
-    return active & useful
+    return useful
+
+
+def needs_gradient(graph: Graph, loss: Var) -> set[Var]:
+    """Floating variables on a path from a param input to `loss`."""
+    params = [v for v, r in zip(graph.inputs, graph.input_roles, strict=True) if r == "param"]
+    return active_values(graph, params) & useful_values(graph, [loss])
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,9 +90,9 @@ def backward(graph: Graph) -> Graph:
     if len(seeds) > 1:
         raise TransformError(f"backward: {len(seeds)} loss_seed inputs; a graph has at most one")
     seed = seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval)
-    grads, eqns = _backward_eqns(graph, loss, params, seed)
+    grads, forward, eqns = _backward_eqns(graph, loss, params, seed)
     return dce(graph.replace(
-        eqns=graph.eqns + eqns,
+        eqns=forward + eqns,
         outputs=graph.outputs + tuple(grads),
         output_roles=graph.output_roles + ("grad",) * len(grads),
         out_tree=_value_and_grad_tree(graph),
@@ -103,17 +113,33 @@ def _check_param_dtypes(graph: Graph, params) -> None:
 
 
 def _backward_eqns(graph, loss, params, seed):
-    """The backward eqns, walking the schedule in reverse; returns (grad atoms, eqns)."""
+    """(grad atoms, forward eqns, backward eqns) of the loss w.r.t. `params`."""
     needs = needs_gradient(graph, loss)
+    cts, forward, eqns = reverse_pass(graph, needs, [(loss, seed)] if loss in needs else [])
+    b = Builder(tags={"backward"})
+    grads = [cts.get(p) or b.call(jnp.zeros_like, p)[0] for p in params]  # unused: zeros
+    return grads, forward, eqns + tuple(b.eqns)
+
+
+def reverse_pass(graph: Graph, needs: set[Var], seeds):
+    """The core of every backward: seed cotangents at some values (`(var, ct atom)` pairs, summed
+    when a var has several, as an output listed twice has), walk the
+    schedule in reverse and emit each eqn's VJP rule; return (cotangents of the graph's inputs and
+    of whatever they reached, {var: ct atom}; the forward eqns; the backward eqns).
+
+    Control flow is first linearized (`jgraph.vjp.loops.linearize`): a loop or a cond on
+    the gradient path is replaced in the forward by one that also returns the residuals its
+    backward reads, so the forward eqns returned may differ from `graph.eqns`."""
+    forward, linearized = vjp.loops.linearize(graph, needs)
     b = Builder(tags={"backward"})
     cts: dict[Var, object] = {}
 
     def add_ct(v, ct):
         cts[v] = ct if v not in cts else b.call(vjp.add_cotangents, cts[v], ct)[0]
 
-    if isinstance(loss, Var) and loss in needs:
-        add_ct(loss, seed)
-    for eqn in reversed(graph.eqns):
+    for v, ct in seeds:
+        add_ct(v, ct)
+    for eqn in reversed(forward):
         if not any(v in cts for v in eqn.outputs):
             continue
         if not any(type(a) is Var and a in needs for a in eqn.inputs):
@@ -122,19 +148,36 @@ def _backward_eqns(graph, loss, params, seed):
         out_cts = [cts.pop(v, None) for v in eqn.outputs]
         needed = [type(x) is Var and x in needs for x in eqn.inputs]
         with errors.while_processing("differentiating", eqn, graph):
-            in_cts = vjp.apply_rule(b, eqn, out_cts, needed)
+            if eqn in linearized:
+                in_cts = vjp.loops.transpose(b, eqn, linearized[eqn], out_cts, needed)
+            else:
+                in_cts = vjp.apply_rule(b, eqn, out_cts, needed)
         for ct, x in zip(in_cts, eqn.inputs, strict=True):
             if ct is not None and type(x) is Var and x in needs:
                 add_ct(x, ct)
+    return cts, tuple(forward), tuple(b.eqns)
 
-    b.source = ""
-    grads = []
-    for p in params:
-        g = cts.get(p)
-        if g is None:  # the loss does not depend on this param: a zero gradient
-            g = b.call(jnp.zeros_like, p)[0]
-        grads.append(g)
-    return grads, tuple(b.eqns)
+
+def vjp_graph(graph: Graph, wrt, with_ct) -> Graph:
+    """The joint graph of `graph`'s VJP (for loop bodies and branches).
+
+    Inputs: `graph`'s inputs, then one cotangent per output marked in `with_ct`. Outputs:
+    `graph`'s outputs, then the cotangent of each input marked in `wrt` (zeros where none flows).
+    Forward eqns keep their checkpoint regions (`graph.regions`), backward eqns are tagged
+    `backward`, as in `backward`'s result, so `jgraph.remat` applies to it."""
+    ct_inputs = tuple(Var(a.aval) for a, w in zip(graph.outputs, with_ct, strict=True) if w)
+    targets = [a for a, w in zip(graph.outputs, with_ct, strict=True) if w]
+    sources = [v for v, w in zip(graph.inputs, wrt, strict=True) if w]
+    needs = active_values(graph, sources) & useful_values(graph, targets)
+    seeds = [(a, ct) for a, ct in zip(targets, ct_inputs, strict=True) if a in needs]
+    cts, forward, eqns = reverse_pass(graph, needs, seeds)
+    b = Builder(tags={"backward"})
+    grads = [cts.get(v) or b.call(jnp.zeros_like, v)[0] for v in sources]
+    return graph.replace(
+        inputs=graph.inputs + ct_inputs, eqns=forward + eqns + tuple(b.eqns),
+        outputs=graph.outputs + tuple(grads),
+        input_roles=graph.input_roles + ("data",) * len(ct_inputs),
+        output_roles=graph.output_roles + ("aux",) * len(grads), in_tree=None, out_tree=None)
 
 
 def _value_and_grad_tree(graph: Graph):

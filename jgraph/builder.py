@@ -11,7 +11,8 @@ it emits is IR that later transforms can see and rewrite.
 Higher-order primitives are rewritten by handlers (registered with `@handler(name)`): nested
 `jit` is inlined, `custom_jvp_call` and `custom_vjp_call` are inlined with an op carrying the
 user's rule (`jgraph.custom_jvp`, `jgraph.custom_vjp`), `checkpoint` becomes a recorded region
-around its inlined body, `scan` is unrolled. `while` and `cond` are carried whole as opaque ops.
+around its inlined body, `scan`, `cond` and `while` become ops holding sub-graphs
+(`jgraph.control_flow`).
 Any other higher-order or effectful primitive is a `TraceError` naming it and the user's line.
 """
 
@@ -21,7 +22,6 @@ import functools
 from typing import Callable
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -32,9 +32,9 @@ from jgraph.ir import Eqn, Graph, Literal, Region, ShapedArray, Var, literal_of
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
-# Higher-order primitives carried whole as ops: their sub-jaxprs stay JAX's (`while` and `cond`
-# are opaque, valid only off the gradient path; `custom_linear_solve` has a VJP rule).
-CARRIED_WHOLE = frozenset({"while", "cond", "custom_linear_solve"})
+# Higher-order primitives carried whole as ops, their sub-jaxprs left as JAX's (the solve has a
+# VJP rule of its own). `scan`, `cond` and `while` become ops with sub-graphs (`control_flow`).
+CARRIED_WHOLE = frozenset({"custom_linear_solve"})
 
 
 def source_line(jaxpr_eqn) -> str:
@@ -232,50 +232,3 @@ def _checkpoint_region(b: Builder, eqn, inputs):
         return b.inline(jaxpr, consts, inputs)
     finally:
         b.regions = saved
-
-
-def _scan_unrolled(b: Builder, eqn, inputs):
-    p = eqn.params
-    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-    consts, carry = inputs[:n_consts], inputs[n_consts:n_consts + n_carry]
-    xs = inputs[n_consts + n_carry:]
-    body = p["jaxpr"]
-    ys_per_step = []
-    for i in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
-        outs = b.inline(body.jaxpr, body.consts, [*consts, *carry, *(_index(b, x, i) for x in xs)])
-        carry = outs[:n_carry]
-        ys_per_step.append(outs[n_carry:])
-    if p["reverse"]:
-        ys_per_step.reverse()
-    y_avals = [v.aval for v in eqn.outvars[n_carry:]]
-    stacked = [_stack(b, [ys[k] for ys in ys_per_step], aval) for k, aval in enumerate(y_avals)]
-    return [*carry, *stacked]
-
-
-def _index(b: Builder, x, i: int):
-    """x[i] along the leading axis, as slice + squeeze."""
-    start = (i,) + (0,) * (x.aval.ndim - 1)
-    limit = (i + 1,) + tuple(x.aval.shape[1:])
-    (row,) = b.emit("slice", [x], dict(start_indices=start, limit_indices=limit, strides=None),
-                    [x.aval.update(shape=(1,) + tuple(x.aval.shape[1:]))])
-    squeezed = x.aval.update(shape=tuple(x.aval.shape[1:]))
-    return b.emit("squeeze", [row], dict(dimensions=(0,)), [squeezed])[0]
-
-
-def _stack(b: Builder, ys, stacked_aval):
-    """Stack the per-step values `ys` along a new leading axis (of length len(ys))."""
-    if not ys:
-        scalar = stacked_aval.update(shape=(), weak_type=False)
-        zero = Literal(np.zeros((), stacked_aval.dtype), scalar)
-        return b.bind("broadcast_in_dim", zero, shape=stacked_aval.shape, broadcast_dimensions=(),
-                      sharding=None)[0]
-    rows = []
-    for y in ys:
-        rows += b.bind("broadcast_in_dim", y, shape=(1,) + tuple(y.aval.shape),
-                       broadcast_dimensions=tuple(range(1, y.aval.ndim + 1)), sharding=None)
-    if len(rows) == 1:
-        return rows[0]
-    return b.bind("concatenate", *rows, dimension=0)[0]
-
-
-handler("scan")(_scan_unrolled)

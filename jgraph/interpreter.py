@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgraph import ops
+from jgraph.control_flow import HIGHER_ORDER
 from jgraph.errors import JGraphError, while_processing
 from jgraph.ir import Graph, Literal, Var, short_aval
 
@@ -30,7 +31,11 @@ def last_uses(graph: Graph) -> dict[Var, int]:
 
 
 class Interpreter:
-    """Runs a graph on flat arguments. Subclass and override `eval_eqn` to change one step."""
+    """Runs a graph on flat arguments. Subclass and override `eval_eqn` to change one step.
+
+    A control-flow op (`scan`, `cond`, `while`) runs its sub-graphs with `run_sub`: an interpreter
+    of the same kind (`sub_interpreter`) on each body, called inside `lax.scan` and friends.
+    """
 
     def run(self, graph: Graph, *args):
         if len(args) != len(graph.inputs):
@@ -62,7 +67,16 @@ class Interpreter:
             lowering = ops.lowerings[eqn.op]
         except KeyError:
             raise JGraphError(f"no lowering for op {eqn.op!r} ({eqn.source})") from None
+        if eqn.op in HIGHER_ORDER:
+            return lowering(*values, interpret=self.run_sub, **eqn.params)
         return lowering(*values, **eqn.params)
+
+    def sub_interpreter(self, graph: Graph) -> Interpreter:
+        """The interpreter that runs a sub-graph (a loop body, a branch) of the current graph."""
+        return type(self)()
+
+    def run_sub(self, graph: Graph, *values) -> list:
+        return self.sub_interpreter(graph).run(graph, *values)
 
 
 def flatten_args(graph: Graph, args) -> list:
@@ -152,6 +166,8 @@ def unflatten_outputs(graph: Graph, flat):
 
 
 def evaluate(graph: Graph, *args):
-    """Run `graph` op by op without `jax.jit` (the reference interpreter)."""
+    """Run `graph` op by op without `jax.jit` (the reference interpreter). Loops run in Python,
+    one body eqn at a time (`jax.disable_jit` makes `lax.scan` and friends loop eagerly)."""
     flat = flatten_args(graph, args)
-    return unflatten_outputs(graph, Interpreter().run(graph, *flat))
+    with jax.disable_jit():
+        return unflatten_outputs(graph, Interpreter().run(graph, *flat))

@@ -57,7 +57,16 @@ def _is_jaxpr(value) -> bool:
     return type(value).__name__ in ("ClosedJaxpr", "Jaxpr")
 
 
+def _graphs_in(value) -> list:
+    values = value if isinstance(value, tuple) else (value,)
+    return [v for v in values if isinstance(v, Graph)]
+
+
 def format_param(value) -> str:
+    if isinstance(value, Graph):  # one-line form (error messages); str(graph) nests it in full
+        return f"{{ lambda {len(value.inputs)} inputs, {len(value.eqns)} eqns }}"
+    if isinstance(value, tuple) and value and all(isinstance(v, Graph) for v in value):
+        return f"({', '.join(map(format_param, value))})"
     if _is_jaxpr(value):
         return "<jaxpr>"
     if isinstance(value, (tuple, list)) and any(_is_jaxpr(v) for v in value):
@@ -173,32 +182,54 @@ for _op in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min
 for _op in ("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window"):
     _PARAM_VIEWS[_op] = _reduce_window_params
 # Params left out when they have this (default) value.
-_DEFAULTS = {"weak_type": False, "unique_indices": False, "indices_are_sorted": False}
+_DEFAULTS = {"weak_type": False, "unique_indices": False, "indices_are_sorted": False,
+             "reverse": False, "unroll": 1}
+# Params that are bookkeeping of transforms, not part of what an op computes.
+_HIDDEN = frozenset({"joint"})
 
 
-def format_params(eqn) -> str:
+def format_params(eqn, nested: bool = False) -> str:
+    """`[k=v ...]`; with `nested`, sub-graph params are left out (printed below the eqn)."""
     view = _PARAM_VIEWS.get(eqn.op)
     params = view(eqn.params, eqn) if view else eqn.params
     shown = [f"{k}={format_param(v)}" for k, v in params.items()
-             if v is not None and not (k in _DEFAULTS and v is _DEFAULTS[k])]
+             if v is not None and k not in _HIDDEN
+             and not (k in _DEFAULTS and type(v) is type(_DEFAULTS[k]) and v == _DEFAULTS[k])
+             and not (nested and _graphs_in(v))]
     return f"[{' '.join(shown)}]" if shown else ""
 
 
-def eqn_lines(graph: Graph, name: _Namer | None = None) -> tuple[str, list[str], str]:
-    """(head, one text per eqn, outputs), with the graph's variable names."""
+def eqn_lines(graph: Graph, name: _Namer | None = None, nested: bool = False,
+              roles: bool = True) -> tuple[str, list[str], str]:
+    """(head, one text per eqn, outputs), with the graph's variable names. With `nested`, an
+    eqn holding sub-graphs is several lines: its sub-graphs are printed in full below it (without
+    roles, which only a top-level graph has)."""
     name = name or _Namer()
 
     def atom(a):
         return name(a) if isinstance(a, Var) else format_literal(a)
 
-    head = " ".join(f"{name(v)}:{short_aval(v.aval)}@{role}"
+    head = " ".join(f"{name(v)}:{short_aval(v.aval)}" + (f"@{role}" if roles else "")
                     for v, role in zip(graph.inputs, graph.input_roles, strict=False))
     texts = []
     for eqn in graph.eqns:
         outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs) or "_"
-        texts.append(f"{outs} = {eqn.op}{format_params(eqn)} "
-                     f"{' '.join(atom(a) for a in eqn.inputs)}".rstrip())
-    outs = " ".join(f"{atom(a)}@{role}"
+        subs = [(k, v) for k, v in eqn.params.items() if k not in _HIDDEN and _graphs_in(v)]
+        ins = " ".join(atom(a) for a in eqn.inputs)
+        if nested and subs:
+            lines = [f"{outs} = {eqn.op}[{format_params(eqn, nested=True)[1:-1]}".rstrip()]
+            for key, value in subs:
+                for k, sub in enumerate(_graphs_in(value)):
+                    label = f"{key}={{" if len(_graphs_in(value)) == 1 else f"{key}[{k}]={{"
+                    body = _graph_lines(sub, name, roles=False)
+                    body[0] = body[0].removeprefix("{")
+                    lines += ["  " + label + body[0]] + ["  " + " " * len(label) + line
+                                                          for line in body[1:]]
+            lines.append(f"] {ins}".rstrip())
+            texts.append("\n".join(lines))
+        else:
+            texts.append(f"{outs} = {eqn.op}{format_params(eqn)} {ins}".rstrip())
+    outs = " ".join(f"{atom(a)}@{role}" if roles else atom(a)
                     for a, role in zip(graph.outputs, graph.output_roles, strict=False))
     return head, texts, outs
 
@@ -220,17 +251,28 @@ def format_region(region) -> str:
     return f"# region {region.id}: checkpoint({', '.join(args)}){parent}"
 
 
-def format_graph(graph: Graph) -> str:
-    head, texts, outs = eqn_lines(graph)
+def _graph_lines(graph: Graph, name: _Namer, roles: bool = True) -> list[str]:
+    head, texts, outs = eqn_lines(graph, name, nested=True, roles=roles)
     notes = [_notes(eqn) for eqn in graph.eqns]
-    width = max((len(t) for t, n in zip(texts, notes, strict=True) if n), default=0)
+    width = max((len(t) for t, n in zip(texts, notes, strict=True) if n and "\n" not in t),
+                default=0)
     lines = [f"{{ lambda {head} ."]
     for i, (text, note) in enumerate(zip(texts, notes, strict=True)):
         prefix = "  let " if i == 0 else "      "
-        lines.append(prefix + (f"{text:<{width}}  # {note}" if note else text))
+        first, *rest = text.split("\n")
+        if note and not rest:
+            first = f"{first:<{width}}  # {note}"
+        elif note:
+            first = f"{first}  # {note}"
+        lines.append(prefix + first)
+        lines += ["      " + line for line in rest]
     lines.append(f"  in ( {outs} ) }}")
     lines += [format_region(r) for r in graph.regions]
-    return "\n".join(lines)
+    return lines
+
+
+def format_graph(graph: Graph) -> str:
+    return "\n".join(_graph_lines(graph, _Namer()))
 
 
 def var_name(graph: Graph, v: Var) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 
 from jgraph import ops, vjp
+from jgraph.control_flow import HIGHER_ORDER
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, is_float
@@ -45,8 +46,11 @@ def _with_rule(eqn: Eqn):
 
 
 def _needs_rule(eqn: Eqn) -> bool:
+    """Ops run through their rule; a control-flow op is lowered as itself (lax.scan, ...) with
+    its body run by this same interpreter, so JAX differentiates the loop through its body's
+    custom_vjp ops."""
     return (eqn.op not in vjp.NON_DIFFERENTIABLE and eqn.op not in vjp.CUTS_GRADIENT
-            and any(is_float(v.aval) for v in eqn.outputs))
+            and eqn.op not in HIGHER_ORDER and any(is_float(v.aval) for v in eqn.outputs))
 
 
 class _CustomVJPLowering(Interpreter):
@@ -58,6 +62,9 @@ class _CustomVJPLowering(Interpreter):
     def eval_eqn(self, eqn, values):
         op = self.wrapped.get(id(eqn))
         return super().eval_eqn(eqn, values) if op is None else op(*values)
+
+    def sub_interpreter(self, graph: Graph) -> Interpreter:
+        return _CustomVJPLowering(graph)
 
 
 def to_jax(graph: Graph):

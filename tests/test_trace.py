@@ -209,20 +209,24 @@ def scan_fn(ws, x, reverse=False):
     return jnp.sum(h) + jnp.sum(ys * jnp.arange(ys.shape[0], dtype=ys.dtype))
 
 
+def body_ops(eqn, key="body"):
+    return [e.op for e in eqn.params[key].eqns]
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("length", [0, 1, 3])
-def test_scan_is_unrolled(length, reverse):
+def test_scan_is_an_op_with_its_body_as_a_graph(length, reverse):
     ws = jnp.linspace(-1.0, 1.0, length * 9, dtype=f32).reshape(length, 3, 3)
     x = jnp.array([0.3, -0.2, 0.9], f32)
     g = jg.check(jg.trace(lambda w, v: scan_fn(w, v, reverse), ws, x, param_argnums=0))
-    assert "scan" not in ops_of(g) and ops_of(g).count("tanh") == length
-    if length == 0:  # disable_jit cannot run an empty scan; there is nothing to round anyway
-        want = jax.jit(scan_fn, static_argnums=2)(ws, x, reverse)
-    else:
-        with jax.disable_jit():  # op by op, like the unrolled graph
-            want = scan_fn(ws, x, reverse)
-    np.testing.assert_allclose(jg.compile(g)(ws, x), want, rtol=1e-6)
-    np.testing.assert_array_equal(jg.evaluate(g, ws, x), want)
+    (scan,) = [e for e in g.eqns if e.op == "scan"]
+    assert body_ops(scan) == ["dot_general", "tanh", "reduce_sum"]
+    assert scan.params["length"] == length and scan.params["reverse"] == reverse
+    want = jax.jit(scan_fn, static_argnums=2)(ws, x, reverse)
+    np.testing.assert_array_equal(jg.compile(g)(ws, x), want)  # same loop, same XLA program
+    if length:  # disable_jit cannot run an empty scan
+        with jax.disable_jit():  # op by op, as the reference interpreter runs the loop
+            np.testing.assert_array_equal(jg.evaluate(g, ws, x), scan_fn(ws, x, reverse))
 
 
 def test_scan_with_consts_and_no_xs():
@@ -230,9 +234,23 @@ def test_scan_with_consts_and_no_xs():
         h, _ = jax.lax.scan(lambda c, _: (c * a + 1.0, None), x, None, length=4)
         return jnp.sum(h)
 
-    g = jg.trace(f, f32(0.5), jnp.ones(2, f32))
-    assert ops_of(g).count("mul") == 4
+    g = jg.check(jg.trace(f, f32(0.5), jnp.ones(2, f32)))
+    (scan,) = g.eqns[:1]
+    assert scan.op == "scan" and scan.params["num_consts"] == 1 and body_ops(scan) == [
+        "mul", "add"]
     np.testing.assert_array_equal(jg.evaluate(g, f32(0.5), jnp.ones(2, f32)), 2 * 1.9375)
+
+
+def test_loops_print_their_bodies_nested():
+    g = jg.trace(lambda a, x: jax.lax.scan(lambda c, _: (c * a, None), x, None, length=2)[0],
+                 f32(0.5), f32(1.0))
+    assert str(g) == """{ lambda a:f32[]@data b:f32[]@data .
+  let c:f32[] = scan[length=2 num_consts=1 num_carry=1
+        body={ lambda d:f32[] e:f32[] .
+                let f:f32[] = mul e d
+                in ( f ) }
+      ] a b
+  in ( c@loss ) }"""
 
 
 def loops(x, i):
@@ -241,10 +259,15 @@ def loops(x, i):
     return jnp.sum(jax.lax.switch(i, [jnp.sin, jnp.cos, jnp.exp], z))
 
 
-def test_while_and_cond_are_carried_opaque():
+def test_while_and_cond_are_ops_with_sub_graphs():
     x = jnp.array([0.1, 0.2], f32)
     g = jg.check(jg.trace(loops, x, 1))
     assert ops_of(g).count("while") == 1 and ops_of(g).count("cond") == 2
+    (loop,) = [e for e in g.eqns if e.op == "while"]
+    assert body_ops(loop, "cond_graph") == ["lt"] and body_ops(loop) == ["add", "mul"]
+    switch = [e for e in g.eqns if e.op == "cond"][-1]
+    assert [[e.op for e in b.eqns] for b in switch.params["branches"]] == [["sin"], ["cos"],
+                                                                          ["exp"]]
     for i in (0, 1, 2):
         np.testing.assert_array_equal(jg.compile(g)(x, i), jax.jit(loops)(x, i))
         np.testing.assert_array_equal(jg.evaluate(g, x, i), loops(x, i))

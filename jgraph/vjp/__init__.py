@@ -153,7 +153,7 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import custom_derivatives, platform_dependent  # noqa: E402,F401  (tracer handlers)
+from jgraph import control_flow, custom_derivatives  # noqa: E402,F401  (tracer handlers)
 from jgraph.vjp import (  # noqa: E402
     contractions,
     custom,
@@ -162,11 +162,12 @@ from jgraph.vjp import (  # noqa: E402
     indexing,
     linalg,
     linear_solve,
+    loops,
     reductions,
     structural,
 )
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "NO_VJP_RULE", "add_cotangents", "apply_rule",
            "contractions", "custom", "defbinary", "deflinear", "defunary", "defvjp",
-           "elementwise", "fft", "indexing", "linalg", "linear_solve", "reductions", "structural",
-           "unbroadcast", "vjp_rules"]
+           "elementwise", "fft", "indexing", "linalg", "linear_solve", "loops", "reductions",
+           "structural", "unbroadcast", "vjp_rules"]

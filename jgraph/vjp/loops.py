@@ -1,0 +1,310 @@
+"""Reverse mode through `scan` and `cond`: linearize the forward, transpose into a loop or a cond.
+
+A loop's VJP is a loop over its body's VJP. Before the reverse walk, `linearize` replaces each scan
+or cond on the gradient path with one that also returns the residuals its backward reads; when
+the walk reaches it, `transpose` emits the backward op. Both come from the body's joint graph
+`J = jgraph.backward.vjp_graph(body)`, rematerialized by the body's own checkpoint regions (so
+`scan(checkpoint(layer))` saves only what the layer's policy saves, per iteration), then cut in
+two by `split`:
+
+    F: (consts, carry, x) -> (carry', y, residuals)          the forward body, run by `scan`
+    R: (const residuals, residuals, x residuals, cts) -> cts  the backward body
+
+Residuals are classified by where they come from: a const (loop-invariant: passed to the backward
+loop as a const, never stacked), an `xs` slice (the backward loop slices the same `xs`), or a value
+computed in the body or a carry (stacked by the forward loop, one slice per iteration). Values the
+body computes from consts alone are recomputed in R instead of being stacked `length` times.
+The backward scan runs in the other direction with the carries' cotangents as its carries, plus
+one accumulator per const (their cotangents summed over iterations).
+
+`cond`: each branch is linearized alike; the forward cond returns every branch's residual slots
+(zeros in the slots of the branches not taken), the backward is a cond over the branches' R.
+`while` with a data-dependent trip count has no reverse mode (as in JAX): `NO_VJP_RULE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jgraph.builder import Builder
+from jgraph.ir import Eqn, Graph, Var, is_float
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A joint body graph cut into forward F and backward R (see the module docstring)."""
+
+    forward: Graph  # primal inputs -> primal outputs + residuals
+    backward: Graph  # const residuals + residuals + x residuals + cts -> input cotangents
+    const_res: tuple[int, ...]  # primal input positions R reads directly (consts, operands)
+    x_res: tuple[int, ...]  # xs positions (among the primal inputs) R reads per iteration
+    residuals: tuple[Var, ...]  # values F returns for R (R's inputs of the same names)
+
+
+def is_forward(eqn: Eqn) -> bool:
+    return not ({"backward", "recompute"} & eqn.tags)
+
+
+def split(joint: Graph, kinds, n_out: int) -> Split:
+    """Cut `joint` (from `vjp_graph`, maybe rematerialized) into F and R. `kinds[k]` says where
+    primal input k comes from: "const" (available outside, loop invariant), "x" (a slice of a
+    stacked input) or "carry" (changes every iteration: stacked if R reads it)."""
+    n_in = len(kinds)
+    primal_in, ct_in = joint.inputs[:n_in], joint.inputs[n_in:]
+    kind = dict(zip(primal_in, kinds, strict=True))
+    fwd = [e for e in joint.eqns if is_forward(e)]
+    bwd = [e for e in joint.eqns if not is_forward(e)]
+    producer = {v: e for e in fwd for v in e.outputs}
+    invariant = {v for v, k in kind.items() if k == "const"}
+    for e in fwd:  # values computed from consts alone: R recomputes them
+        if e.op not in ("random_bits", "rng_uniform") and all(
+                a in invariant for a in e.inputs if isinstance(a, Var)):
+            invariant.update(e.outputs)
+    # R's free variables, pulling in the invariant eqns it needs (in schedule order).
+    copies, reads = set(), []
+    seen: set = set()
+
+    def need(a):
+        if not isinstance(a, Var) or a in seen:
+            return
+        seen.add(a)
+        e = producer.get(a)
+        if e is not None and a in invariant:
+            if e not in copies:
+                copies.add(e)
+                for x in e.inputs:
+                    need(x)
+        else:
+            reads.append(a)
+
+    defined = set()
+    for e in bwd:
+        for a in e.inputs:
+            if a not in defined:
+                need(a)
+        defined.update(e.outputs)
+    for a in joint.outputs[n_out:]:
+        if a not in defined:
+            need(a)
+    ct_set = set(ct_in)
+    position = {v: k for k, v in enumerate(primal_in)}
+    const_res = tuple(position[a] for a in reads if kind.get(a) == "const")
+    x_res = tuple(position[a] for a in reads if kind.get(a) == "x")
+    residuals = tuple(a for a in reads if a not in ct_set and kind.get(a) not in ("const", "x"))
+    forward = joint.replace(
+        inputs=primal_in, eqns=tuple(_without_regions(e) for e in fwd),
+        outputs=joint.outputs[:n_out] + residuals, input_roles=("data",) * n_in,
+        output_roles=("aux",) * (n_out + len(residuals)), regions=())
+    r_inputs = (tuple(primal_in[k] for k in const_res) + residuals
+                + tuple(primal_in[k] for k in x_res) + ct_in)
+    backward = Graph(inputs=r_inputs, eqns=tuple(e for e in fwd if e in copies) + tuple(bwd),
+                     outputs=joint.outputs[n_out:], input_roles=("data",) * len(r_inputs),
+                     output_roles=("aux",) * (len(joint.outputs) - n_out))
+    return Split(forward, backward, const_res, x_res, residuals)
+
+
+def _without_regions(e: Eqn) -> Eqn:
+    return dataclasses.replace(e, regions=()) if e.regions else e
+
+
+def joint_body(body: Graph, wrt, with_ct, policy=None) -> Graph:
+    """The body's VJP graph, rematerialized by its recorded regions (and `policy`, if given)."""
+    from jgraph.backward import vjp_graph
+    from jgraph.remat import remat
+
+    joint = vjp_graph(body, wrt, with_ct)
+    if (body.regions or policy is not None) and any("backward" in e.tags for e in joint.eqns):
+        joint = remat(joint, policy)
+    return joint
+
+
+# -- linearize: the forward op that returns residuals ---------------------------------------------
+def linearize(graph: Graph, needs: set):
+    """(forward eqns, {new eqn: how to transpose it}) with each scan/cond on the gradient path
+    replaced by one that also returns its residuals."""
+    eqns, linearized = [], {}
+    for eqn in graph.eqns:
+        rule = _LINEARIZE.get(eqn.op)
+        on_path = any(v in needs for v in eqn.outputs) and any(
+            isinstance(a, Var) and a in needs for a in eqn.inputs)
+        if rule is None or not on_path:
+            eqns.append(eqn)
+            continue
+        new, how = rule(eqn, needs)
+        eqns.append(new)
+        linearized[new] = how
+    return eqns, linearized
+
+
+def transpose(b: Builder, eqn: Eqn, how, out_cts, needed) -> list:
+    """Emit the backward op of a linearized scan/cond; return one cotangent per input."""
+    return _TRANSPOSE[eqn.op](b, eqn, how, out_cts, needed)
+
+
+def _zeros_like(b: Builder, atom):
+    return b.call(jnp.zeros_like, atom)[0]
+
+
+# -- scan --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _ScanVjp:
+    split: Split
+    wrt: tuple[bool, ...]  # per scan input: its cotangent is computed
+    carry_ct: tuple[bool, ...]  # per carry: its cotangent flows through the loop
+    y_ct: tuple[bool, ...]  # per y: it has a cotangent
+
+
+def _carry_activity(body: Graph, nc: int, nk: int, active_in) -> list[bool]:
+    """Which carries depend on an active input, over any number of iterations (a fixpoint)."""
+    from jgraph.backward import active_values
+
+    active = list(active_in)
+    while True:
+        reached = active_values(body, [v for v, a in zip(body.inputs, active, strict=True) if a])
+        carry_out = [isinstance(o, Var) and o in reached for o in body.outputs[:nk]]
+        new = active[:nc] + [a or c for a, c in zip(active[nc:nc + nk], carry_out, strict=True)] \
+            + active[nc + nk:]
+        if new == active:
+            return active[nc:nc + nk]
+        active = new
+
+
+def _linearize_scan(eqn: Eqn, needs: set, policy=None):
+    p = eqn.params
+    body, nc, nk = p["body"], p["num_consts"], p["num_carry"]
+    ins = eqn.inputs
+    floating = [is_float(v.aval) for v in body.inputs]
+    wants = [isinstance(a, Var) and a in needs and f for a, f in zip(ins, floating, strict=True)]
+    carry_ct = _carry_activity(body, nc, nk, wants)
+    carry_ct = [c and f for c, f in zip(carry_ct, floating[nc:nc + nk], strict=True)]
+    wrt = wants[:nc] + carry_ct + wants[nc + nk:]
+    y_ct = [v in needs and is_float(v.aval) for v in eqn.outputs[nk:]]
+    joint = joint_body(body, wrt, carry_ct + y_ct, policy)
+    kinds = ["const"] * nc + ["carry"] * nk + ["x"] * (len(ins) - nc - nk)
+    cut = split(joint, kinds, len(body.outputs))
+    length = p["length"]
+    stacked = tuple(Var(r.aval.update(shape=(length, *r.aval.shape))) for r in cut.residuals)
+    new = dataclasses.replace(eqn, outputs=eqn.outputs + stacked,
+                              params={**p, "body": cut.forward})
+    return new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct))
+
+
+def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
+    p, cut = eqn.params, how.split
+    nc, nk = p["num_consts"], p["num_carry"]
+    n_y = len(p["body"].outputs) - nk - len(cut.residuals)
+    ins, R = eqn.inputs, cut.backward
+    n_const_res, n_res, n_x_res = len(cut.const_res), len(cut.residuals), len(cut.x_res)
+    n_carry_ct = sum(how.carry_ct)
+    r_const = R.inputs[:n_const_res]
+    r_res = R.inputs[n_const_res:n_const_res + n_res]
+    r_x = R.inputs[n_const_res + n_res:n_const_res + n_res + n_x_res]
+    r_ct_carry = R.inputs[n_const_res + n_res + n_x_res:][:n_carry_ct]
+    r_ct_y = R.inputs[n_const_res + n_res + n_x_res + n_carry_ct:]
+    wrt_consts = [k for k in range(nc) if how.wrt[k]]
+    wrt_xs = [k for k in range(nc + nk, len(ins)) if how.wrt[k]]
+    ct_consts = R.outputs[:len(wrt_consts)]
+    ct_carry = R.outputs[len(wrt_consts):len(wrt_consts) + n_carry_ct]
+    ct_xs = R.outputs[len(wrt_consts) + n_carry_ct:]
+    # The backward body: consts, carry = (carry cts, const accumulators), xs = (residuals, x
+    # residuals, y cts) -> (carry cts of the previous iteration, accumulators; x cts).
+    inner = Builder(tags={"backward"})
+    accs = tuple(Var(ins[k].aval.update(weak_type=False)) for k in wrt_consts)
+    new_accs = [inner.call(jnp.add, acc, ct)[0] for acc, ct in zip(accs, ct_consts, strict=True)]
+    body = Graph(inputs=tuple(r_const) + tuple(r_ct_carry) + accs + tuple(r_res) + tuple(r_x)
+                 + tuple(r_ct_y),
+                 eqns=R.eqns + tuple(inner.eqns), outputs=tuple(ct_carry) + tuple(new_accs)
+                 + tuple(ct_xs), input_roles=("data",) * (len(R.inputs) + len(accs)),
+                 output_roles=("aux",) * (n_carry_ct + len(accs) + len(ct_xs)))
+    carry_outs = [k for k in range(nk) if how.carry_ct[k]]
+    init = [out_cts[k] if out_cts[k] is not None else _zeros_like(b, eqn.outputs[k])
+            for k in carry_outs]
+    init += [_zeros_like(b, acc) for acc in accs]
+    y_cts = [out_cts[nk + j] if out_cts[nk + j] is not None else
+             _zeros_like(b, eqn.outputs[nk + j]) for j in range(n_y) if how.y_ct[j]]
+    xs = list(eqn.outputs[nk + n_y:]) + [ins[k] for k in cut.x_res] + y_cts
+    outs = b.bind("scan", *(ins[k] for k in cut.const_res), *init, *xs, body=body,
+                  length=p["length"], reverse=not p["reverse"],
+                  num_consts=n_const_res, num_carry=n_carry_ct + len(accs),
+                  unroll=p.get("unroll", 1))
+    cts = [None] * len(ins)
+    for k, ct in zip(carry_outs, outs[:n_carry_ct], strict=True):
+        cts[nc + k] = ct
+    for k, ct in zip(wrt_consts, outs[n_carry_ct:n_carry_ct + len(accs)], strict=True):
+        cts[k] = ct
+    for k, ct in zip(wrt_xs, outs[n_carry_ct + len(accs):], strict=True):
+        cts[k] = ct
+    return [ct if use else None for ct, use in zip(cts, needed, strict=True)]
+
+
+# -- cond --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _CondVjp:
+    splits: tuple[Split, ...]  # per branch
+    slots: tuple[tuple[int, int], ...]  # per branch: its residuals' (start, stop) among the slots
+    wrt: tuple[bool, ...]  # per operand: its cotangent is computed
+    with_ct: tuple[bool, ...]  # per output: it has a cotangent
+
+
+def _linearize_cond(eqn: Eqn, needs: set, policy=None):
+    branches = eqn.params["branches"]
+    operands = eqn.inputs[1:]
+    wrt = [isinstance(a, Var) and a in needs and is_float(a.aval) for a in operands]
+    with_ct = [v in needs and is_float(v.aval) for v in eqn.outputs]
+    n_out = len(eqn.outputs)
+    splits = [split(joint_body(g, wrt, with_ct, policy), ["const"] * len(operands), n_out)
+              for g in branches]
+    slots, start = [], 0
+    for s in splits:
+        slots.append((start, start + len(s.residuals)))
+        start += len(s.residuals)
+    slot_avals = [r.aval for s in splits for r in s.residuals]
+    forwards = []
+    for s, (lo, hi) in zip(splits, slots, strict=True):
+        fill = Builder()  # the slots of the other branches hold zeros
+        zeros = [fill.call(jnp.zeros, shape=a.shape, dtype=a.dtype)[0] for a in slot_avals]
+        outs = s.forward.outputs
+        forwards.append(s.forward.replace(
+            eqns=s.forward.eqns + tuple(fill.eqns),
+            outputs=outs[:n_out] + tuple(zeros[:lo]) + outs[n_out:] + tuple(zeros[hi:]),
+            output_roles=("aux",) * (n_out + len(slot_avals))))
+    res = tuple(Var(a) for a in slot_avals)
+    new = dataclasses.replace(eqn, outputs=eqn.outputs + res,
+                              params={**eqn.params, "branches": tuple(forwards)})
+    return new, _CondVjp(tuple(splits), tuple(slots), tuple(wrt), tuple(with_ct))
+
+
+def _transpose_cond(b: Builder, eqn: Eqn, how: _CondVjp, out_cts, needed):
+    """cond(index, R_0, R_1, ...) over (operands, all residual slots, output cotangents)."""
+    operands = eqn.inputs[1:]
+    n_out = len(how.with_ct)
+    slot_vars = eqn.outputs[n_out:]
+    ct_outs = [k for k in range(n_out) if how.with_ct[k]]
+    branches = []
+    for s, (lo, hi) in zip(how.splits, how.slots, strict=True):
+        R = s.backward  # inputs: const residuals (operands), own residuals, cts
+        op_vars = [Var(a.aval) for a in operands]
+        for i, k in enumerate(s.const_res):
+            op_vars[k] = R.inputs[i]
+        slots = [Var(v.aval) for v in slot_vars]
+        slots[lo:hi] = R.inputs[len(s.const_res):len(s.const_res) + hi - lo]
+        ct_vars = R.inputs[len(s.const_res) + hi - lo:]
+        inputs = tuple(op_vars) + tuple(slots) + tuple(ct_vars)
+        branches.append(Graph(inputs=inputs, eqns=R.eqns, outputs=R.outputs,
+                              input_roles=("data",) * len(inputs),
+                              output_roles=("aux",) * len(R.outputs)))
+    cts_in = [out_cts[k] if out_cts[k] is not None else _zeros_like(b, eqn.outputs[k])
+              for k in ct_outs]
+    outs = iter(b.bind("cond", eqn.inputs[0], *operands, *slot_vars, *cts_in,
+                       branches=tuple(branches)))
+    cts = [None] + [next(outs) if w else None for w in how.wrt]
+    return [ct if use else None for ct, use in zip(cts, needed, strict=True)]
+
+
+_LINEARIZE = {"scan": _linearize_scan, "cond": _linearize_cond}
+_TRANSPOSE = {"scan": _transpose_scan, "cond": _transpose_cond}
+
+# Ops whose VJP is built here (from their bodies), not by a rule in `vjp_rules`.
+TRANSPOSED = frozenset(_TRANSPOSE)
