@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jgraph import ops
+from jgraph import control_flow, ops
 from jgraph.errors import GraphError
 from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, Graph, Literal, Var, is_extended, short_aval
 from jgraph.printing import eqn_lines, var_name
@@ -65,6 +65,7 @@ def check(graph: Graph) -> Graph:
                 raise GraphError(f"{_where(graph, i)}: output {k} ({var_name(graph, v)}) is "
                                  f"defined twice")
             defined.add(v)
+        _check_sub_graphs(graph, i, eqn)
         for r in eqn.regions:
             if r not in region_ids:
                 raise GraphError(f"{_where(graph, i)}: refers to unknown checkpoint region {r}")
@@ -76,6 +77,21 @@ def check(graph: Graph) -> Graph:
         if not isinstance(a, (Var, Literal)):
             raise GraphError(f"graph output {k} is not an atom: {a!r}")
     return graph
+
+
+def _check_sub_graphs(graph: Graph, i: int, eqn) -> None:
+    """A control-flow eqn's sub-graphs are valid graphs that fit its operands."""
+    subs = [(k, v) for k, value in eqn.params.items()
+            for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, Graph)]
+    for key, sub in subs:
+        try:
+            check(sub)
+        except GraphError as e:
+            raise GraphError(f"{_where(graph, i)}: in its {key}: {e}") from e
+    if subs:
+        problem = control_flow.signature_problem(eqn)
+        if problem:
+            raise GraphError(f"{_where(graph, i)}: {problem}")
 
 
 def _where(graph: Graph, i: int) -> str:

@@ -17,13 +17,14 @@ loop stays a loop in XLA. VJP rules: `jgraph.vjp.loops`.
 
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 
 from jgraph import _jax_internals as internals
 from jgraph import ops
 from jgraph.builder import Builder, handler
 from jgraph.errors import TraceError
-from jgraph.ir import Graph, Var
+from jgraph.ir import Graph, ShapedArray, Var, short_aval
 
 HIGHER_ORDER = frozenset({"scan", "cond", "while"})  # ops whose lowering takes `interpret`
 
@@ -39,8 +40,47 @@ def sub_graph(b: Builder, closed_jaxpr) -> Graph:
                  regions=tuple(inner.new_regions))
 
 
-def signature(graph: Graph):
-    return [v.aval for v in graph.inputs], [a.aval for a in graph.outputs]
+def _types(avals) -> list[str]:
+    return [short_aval(a) for a in avals]
+
+
+def _expect(what: str, got, want) -> str | None:
+    got, want = _types(got), _types(want)
+    return None if got == want else f"{what}: {got}, expected {want}"
+
+
+def signature_problem(eqn) -> str | None:
+    """What is wrong with how a control-flow eqn's sub-graphs fit its operands (None: fine)."""
+    p, avals = eqn.params, [a.aval for a in eqn.inputs]
+    if eqn.op == "scan":
+        body, nc, nk = p["body"], p["num_consts"], p["num_carry"]
+        xs = [a.update(shape=a.shape[1:]) for a in avals[nc + nk:]]
+        if any(a.shape[:1] != (p["length"],) for a in avals[nc + nk:]):
+            return f"scan of length {p['length']} over xs {_types(avals[nc + nk:])}"
+        return (_expect("body inputs", [v.aval for v in body.inputs], avals[:nc + nk] + xs)
+                or _expect("body carry outputs", [a.aval for a in body.outputs[:nk]],
+                           avals[nc:nc + nk]))
+    if eqn.op == "cond":
+        if avals[0].shape != () or avals[0].dtype != np.int32:
+            return f"cond index is {short_aval(avals[0])}, expected i32[]"
+        outs = [a.aval for a in p["branches"][0].outputs]
+        for k, branch in enumerate(p["branches"]):
+            problem = (_expect(f"branch {k} inputs", [v.aval for v in branch.inputs], avals[1:])
+                       or _expect(f"branch {k} outputs", [a.aval for a in branch.outputs], outs))
+            if problem:
+                return problem
+        return None
+    if eqn.op == "while":
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        carry = avals[nc + nb:]
+        return (_expect("cond_graph inputs", [v.aval for v in p["cond_graph"].inputs],
+                        avals[:nc] + carry)
+                or _expect("cond_graph outputs", [a.aval for a in p["cond_graph"].outputs],
+                           [ShapedArray((), np.dtype(bool))])
+                or _expect("body inputs", [v.aval for v in p["body"].inputs],
+                           avals[nc:nc + nb] + carry)
+                or _expect("body outputs", [a.aval for a in p["body"].outputs], carry))
+    return None
 
 
 # -- scan --------------------------------------------------------------------------------------

@@ -31,7 +31,10 @@ def last_uses(graph: Graph) -> dict[Var, int]:
 
 
 class Interpreter:
-    """Runs a graph on flat arguments. Subclass and override `eval_eqn` to change one step.
+    """Runs a graph on flat arguments: `env`, `read`, `write`, one loop over the eqns, each value
+    freed after its last use. Subclasses change what one step does: `eval_eqn` (evaluation binds
+    the op's lowering; `jgraph.lower` runs the same loop under `jax.jit`), or the bookkeeping
+    hooks `write` and `free` (`jgraph.memory` counts bytes with them, computing nothing).
 
     A control-flow op (`scan`, `cond`, `while`) runs its sub-graphs with `run_sub`: an interpreter
     of the same kind (`sub_interpreter`) on each body, called inside `lax.scan` and friends.
@@ -40,27 +43,33 @@ class Interpreter:
     def run(self, graph: Graph, *args):
         if len(args) != len(graph.inputs):
             raise JGraphError(f"graph takes {len(graph.inputs)} flat inputs, got {len(args)}")
-        env: dict[Var, object] = {}
-
-        def read(a):
-            return a.value if isinstance(a, Literal) else env[a]
-
-        def write(v, value):
-            env[v] = value
-
+        self.env: dict[Var, object] = {}
         last = last_uses(graph)
         for v, x in zip(graph.inputs, args, strict=True):
-            write(v, x)
+            self.write(v, x)
         for i, eqn in enumerate(graph.eqns):
             with while_processing("evaluating", eqn, graph):
-                outs = self.eval_eqn(eqn, [read(a) for a in eqn.inputs])
+                outs = self.eval_eqn(eqn, [self.read(a) for a in eqn.inputs])
             for v, x in zip(eqn.outputs, outs, strict=True):
-                write(v, x)
-            for a in eqn.inputs:  # free values after their last use
-                if isinstance(a, Var) and last.get(a) == i:
-                    env.pop(a, None)
-        return [jnp.asarray(a.value, a.aval.dtype) if isinstance(a, Literal) else env[a]
-                for a in graph.outputs]  # a constant output is an array, as under jax.jit
+                self.write(v, x)
+            for v in (*eqn.inputs, *eqn.outputs):  # last use, or never used
+                if isinstance(v, Var) and last.get(v, i) == i and v in self.env:
+                    self.free(v)
+        return [self.output(a) for a in graph.outputs]
+
+    def read(self, atom):
+        return atom.value if isinstance(atom, Literal) else self.env[atom]
+
+    def write(self, var: Var, value) -> None:
+        self.env[var] = value
+
+    def free(self, var: Var) -> None:
+        del self.env[var]
+
+    def output(self, atom):
+        if isinstance(atom, Literal):  # a constant output is an array, as under jax.jit
+            return jnp.asarray(atom.value, atom.aval.dtype)
+        return self.env[atom]
 
     def eval_eqn(self, eqn, values):
         try:

@@ -143,6 +143,16 @@ def literal(value, dtype=None) -> Literal:
     return Literal(arr[()] if arr.ndim == 0 else arr, aval)
 
 
+def sub_graphs(eqn: Eqn) -> list[Graph]:
+    """The graphs in an eqn's params (a loop's body, a cond's branches), in param order."""
+    found = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, Graph):
+                found.append(v)
+    return found
+
+
 def literal_of(value, aval) -> Literal:
     """A literal of `aval` holding `value` as a numpy value of the aval's dtype.
 

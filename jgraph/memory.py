@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jgraph.errors import TransformError
-from jgraph.interpreter import flatten_args, last_uses
-from jgraph.ir import Graph, Var, short_aval
+from jgraph.interpreter import Interpreter, flatten_args
+from jgraph.ir import Graph, Var, short_aval, sub_graphs
 from jgraph.lower import Lowering
 
 STATE_ROLES = ("param", "accumulator", "opt_state", "counter")
@@ -76,20 +76,39 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+class _LiveBytes(Interpreter):
+    """The interpreter loop on avals instead of values: it computes nothing and counts the bytes
+    of the intermediate values alive while each eqn runs (its inputs, its outputs, and whatever a
+    later eqn still reads), plus, for a loop or a cond, the peak of its body."""
+
+    def run(self, graph: Graph, *args):
+        self.counted = {a for a in graph.outputs if isinstance(a, Var)} | set(graph.inputs)
+        self.total, self.per_eqn = 0, []
+        return super().run(graph, *(v.aval for v in graph.inputs))
+
+    def eval_eqn(self, eqn, values):
+        inner = max((memory(sub).peak_bytes for sub in sub_graphs(eqn)), default=0)
+        self.per_eqn.append(self.total + sum(nbytes(v.aval) for v in eqn.outputs
+                                             if v not in self.counted) + inner)
+        return [v.aval for v in eqn.outputs]
+
+    def write(self, var, value):
+        super().write(var, value)
+        if var not in self.counted:
+            self.total += nbytes(var.aval)
+
+    def free(self, var):
+        super().free(var)
+        if var not in self.counted:
+            self.total -= nbytes(var.aval)
+
+
 def memory(graph: Graph) -> MemoryReport:
     """Live bytes per eqn on the graph's schedule, their peak, and the saved residuals."""
-    last = last_uses(graph)
+    live = _LiveBytes()
+    live.run(graph)
+    per_eqn = live.per_eqn
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
-    live, total, per_eqn = {}, 0, []
-    for i, eqn in enumerate(graph.eqns):
-        for v in eqn.outputs:
-            if v not in outputs:
-                live[v] = nbytes(v.aval)
-                total += live[v]
-        per_eqn.append(total)
-        for v in [*eqn.outputs, *eqn.inputs]:  # free what this eqn was the last to read
-            if isinstance(v, Var) and v in live and last.get(v, i) <= i:
-                total -= live.pop(v)
     peak = max(per_eqn, default=0)
     return MemoryReport(
         peak_bytes=peak,
