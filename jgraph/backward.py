@@ -73,8 +73,12 @@ def _loss_output(graph: Graph):
     return loss
 
 
-def backward(graph: Graph) -> Graph:
-    """The joint graph computing (loss[, aux]) and the gradients of the loss w.r.t. the params."""
+def backward(graph: Graph, *, loop_policy=None) -> Graph:
+    """The joint graph computing (loss[, aux]) and the gradients of the loss w.r.t. the params.
+
+    `loop_policy` (a remat policy) is applied inside the bodies of loops and conds, on top of
+    their own checkpoint regions; `jg.remat(gb, policy=...)` re-derives `gb` with it, so that a
+    policy sees through loops. The result records its forward graph as `info["backward_of"]`."""
     if "grad" in graph.output_roles:
         raise TransformError("backward: the graph already has grad outputs")
     loss = _loss_output(graph)
@@ -90,14 +94,26 @@ def backward(graph: Graph) -> Graph:
     if len(seeds) > 1:
         raise TransformError(f"backward: {len(seeds)} loss_seed inputs; a graph has at most one")
     seed = seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval)
-    grads, forward, eqns = _backward_eqns(graph, loss, params, seed)
-    return dce(graph.replace(
+    grads, forward, eqns = _backward_eqns(graph, loss, params, seed, loop_policy)
+    joint = dce(graph.replace(
         eqns=forward + eqns,
         outputs=graph.outputs + tuple(grads),
         output_roles=graph.output_roles + ("grad",) * len(grads),
         out_tree=_value_and_grad_tree(graph),
         info={**graph.info, "loss_seed": seed},
     ))
+    # What remat needs to re-derive this graph with a policy inside its loops (valid while the
+    # eqns are these).
+    return joint.replace(info={**joint.info, "backward_of": (graph, joint.eqns)})
+
+
+def rederived(graph: Graph, loop_policy) -> Graph | None:
+    """`graph` (a result of `backward`) derived again with `loop_policy` in its loops, or None
+    when `graph` is no longer what `backward` returned."""
+    forward, eqns = graph.info.get("backward_of", (None, None))
+    if forward is None or eqns is not graph.eqns:
+        return None
+    return backward(forward, loop_policy=loop_policy)
 
 
 def _check_param_dtypes(graph: Graph, params) -> None:
@@ -112,16 +128,17 @@ def _check_param_dtypes(graph: Graph, params) -> None:
                 "in the param arguments.")
 
 
-def _backward_eqns(graph, loss, params, seed):
+def _backward_eqns(graph, loss, params, seed, loop_policy):
     """(grad atoms, forward eqns, backward eqns) of the loss w.r.t. `params`."""
     needs = needs_gradient(graph, loss)
-    cts, forward, eqns = reverse_pass(graph, needs, [(loss, seed)] if loss in needs else [])
+    cts, forward, eqns = reverse_pass(graph, needs, [(loss, seed)] if loss in needs else [],
+                                      loop_policy)
     b = Builder(tags={"backward"})
     grads = [cts.get(p) or b.call(jnp.zeros_like, p)[0] for p in params]  # unused: zeros
     return grads, forward, eqns + tuple(b.eqns)
 
 
-def reverse_pass(graph: Graph, needs: set[Var], seeds):
+def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policy=None):
     """The core of every backward: seed cotangents at some values (`(var, ct atom)` pairs, summed
     when a var has several, as an output listed twice has), walk the
     schedule in reverse and emit each eqn's VJP rule; return (cotangents of the graph's inputs and
@@ -130,7 +147,7 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds):
     Control flow is first linearized (`jgraph.vjp.loops.linearize`): a loop or a cond on
     the gradient path is replaced in the forward by one that also returns the residuals its
     backward reads, so the forward eqns returned may differ from `graph.eqns`."""
-    forward, linearized = vjp.loops.linearize(graph, needs)
+    forward, linearized = vjp.loops.linearize(graph, needs, loop_policy)
     b = Builder(tags={"backward"})
     cts: dict[Var, object] = {}
 
@@ -158,7 +175,7 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds):
     return cts, tuple(forward), tuple(b.eqns)
 
 
-def vjp_graph(graph: Graph, wrt, with_ct) -> Graph:
+def vjp_graph(graph: Graph, wrt, with_ct, loop_policy=None) -> Graph:
     """The joint graph of `graph`'s VJP (for loop bodies and branches).
 
     Inputs: `graph`'s inputs, then one cotangent per output marked in `with_ct`. Outputs:
@@ -170,7 +187,7 @@ def vjp_graph(graph: Graph, wrt, with_ct) -> Graph:
     sources = [v for v, w in zip(graph.inputs, wrt, strict=True) if w]
     needs = active_values(graph, sources) & useful_values(graph, targets)
     seeds = [(a, ct) for a, ct in zip(targets, ct_inputs, strict=True) if a in needs]
-    cts, forward, eqns = reverse_pass(graph, needs, seeds)
+    cts, forward, eqns = reverse_pass(graph, needs, seeds, loop_policy)
     b = Builder(tags={"backward"})
     grads = [cts.get(v) or b.call(jnp.zeros_like, v)[0] for v in sources]
     return graph.replace(

@@ -34,6 +34,8 @@ from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Region, Var
 from jgraph.passes import dce
 
+# Ops with bodies: a policy over the whole forward applies inside them, not to them.
+LOOPS = frozenset({"scan", "cond"})
 # Ops whose outputs are never recomputed: running them again would not give the same values.
 NEVER_RECOMPUTED = frozenset({"rng_uniform"})
 
@@ -52,11 +54,43 @@ def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
         return remat_under_budget(graph, budget)
+    if policy is not None and _loops(graph):
+        graph = _with_policy_in_loops(graph, policy)
+    return apply_regions(graph, policy)
+
+
+def _loops(graph: Graph) -> list[Eqn]:
+    """Forward loops and conds on the gradient path (their backward is a loop or a cond too)."""
+    bwd = {e.op for e in graph.eqns if "backward" in e.tags}
+    return [e for e in graph.eqns if is_forward(e) and e.op in LOOPS and e.op in bwd]
+
+
+def _with_policy_in_loops(graph: Graph, policy) -> Graph:
+    """`graph` derived again by `jg.backward` with `policy` inside its loop bodies (a policy sees
+    through loops, as `jax.checkpoint`'s does through `lax.scan`)."""
+    from jgraph.backward import rederived
+
+    again = rederived(graph, policy)
+    if again is None:
+        raise TransformError(
+            "remat(policy=...) of a graph with loops needs the graph jg.backward returned (the "
+            "policy applies inside loop bodies, which backward builds): apply remat right after "
+            "backward, before other transforms")
+    return again
+
+
+def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
+    """Rematerialize the graph's regions, and with `policy` the whole forward (loops and conds
+    are kept whole: their policy was applied inside them when their backward was built).
+
+    For a loop body's joint graph, its first `body_outputs` outputs (the body's own: the next
+    carry, a y slice) do not count as read outside a region: the loop keeps them anyway (as the
+    next iteration's carry, or stacked as ys), so they are recomputed, not saved twice."""
     if policy is not None:
         graph = _with_whole_forward_region(graph, policy)
     if not graph.regions:
         return graph
-    planner = _Planner(graph)
+    planner = _Planner(graph, body_outputs)
     eqns = []
     for eqn in graph.eqns:
         if not is_forward(eqn):
@@ -80,15 +114,15 @@ def _with_whole_forward_region(graph: Graph, policy) -> Graph:
     whole = max((r.id for r in graph.regions), default=-1) + 1
     regions = (Region(whole, None, policy, True, "remat(policy=...)"),) + tuple(
         dataclasses.replace(r, parent=whole) if r.parent is None else r for r in graph.regions)
-    eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions) if is_forward(e) else e
-                 for e in graph.eqns)
+    eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions)
+                 if is_forward(e) and e.op not in LOOPS else e for e in graph.eqns)
     return graph.replace(eqns=eqns, regions=regions)
 
 
 class _Planner:
     """Which region each forward value crosses, its home, and the recompute copies emitted."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, body_outputs: int = 0):
         self.regions = {r.id: r for r in graph.regions}
         self.producer: dict[Var, Eqn] = {}
         forward = [e for e in graph.eqns if is_forward(e)]
@@ -104,7 +138,7 @@ class _Planner:
                 if isinstance(a, Var) and a in self.producer:
                     inside = set(eqn.regions)
                     self.crosses.update((a, r) for r in self.producer[a].regions if r not in inside)
-        for a in graph.outputs:
+        for a in graph.outputs[body_outputs:]:
             if isinstance(a, Var) and a in self.producer:
                 self.crosses.update((a, r) for r in self.producer[a].regions)
         refused = self._refused_by_name(forward)
@@ -199,30 +233,53 @@ def remat_under_budget(graph: Graph, budget: int) -> Graph:
 
     Candidates: no remat, then the forward schedule cut into k contiguous segments of about equal
     activation bytes, each a region that saves nothing (classic sqrt(N) checkpointing at k ~
-    sqrt(N)). Regions recorded while tracing are replaced. No remat is chosen whenever it fits,
-    so a plan never uses more memory than no remat. Raises TransformError when nothing fits.
+    sqrt(N)); for a graph with loops, each of those again with loop bodies that save nothing
+    but their inputs (`nothing_saveable` inside the loops). Regions recorded while tracing are
+    replaced. The cost of a plan counts a loop body's recomputed eqns once per iteration. No
+    remat is chosen whenever it fits, so a plan never uses more memory than no remat. Raises
+    TransformError when nothing fits.
     """
     from jgraph.memory import memory
 
-    plain = _without_regions(graph)
-    forward = [e for e in plain.eqns if is_forward(e)]
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise TransformError(f"remat(budget={budget!r}): the budget is a positive number of "
+                             "bytes (e.g. 8 * 2**20)")
+    bases = {"loops as traced": _without_regions(graph)}
+    if _loops(graph) and "backward_of" in graph.info:
+        bases["loop bodies recomputed"] = _without_regions(
+            _with_policy_in_loops(graph, policies.nothing_saveable))
     best, peaks = None, {}
-    for k in (0,) + tuple(n for n in SEGMENT_COUNTS if n <= len(forward)):
-        candidate = plain if k == 0 else remat(_segmented(plain, forward, k))
-        peak = memory(candidate).peak_bytes
-        peaks[k] = peak
-        cost = sum("recompute" in e.tags for e in candidate.eqns)
-        if peak <= budget and (best is None or cost < best[0]):
-            best = (cost, k, candidate)
+    for loops, plain in bases.items():
+        forward = [e for e in plain.eqns if is_forward(e)]
+        for k in (0,) + tuple(n for n in SEGMENT_COUNTS if n <= len(forward)):
+            candidate = plain if k == 0 else apply_regions(_segmented(plain, forward, k))
+            peak = memory(candidate).peak_bytes
+            peaks[loops, k] = peak
+            cost = recompute_cost(candidate)
+            if peak <= budget and (best is None or cost < best[0]):
+                best = (cost, (loops, k), candidate)
     if best is None:
-        k_min = min(peaks, key=peaks.get)
+        key = min(peaks, key=peaks.get)
         raise TransformError(
             f"remat(budget={budget}): no plan fits; the smallest estimated peak is "
-            f"{peaks[k_min]} bytes ({k_min} segments; no remat: {peaks[0]} bytes)")
-    _, k, chosen = best
+            f"{peaks[key]} bytes ({key[1]} segments, {key[0]}; no remat: "
+            f"{peaks['loops as traced', 0]} bytes)")
+    _, (loops, k), chosen = best
     info = dict(chosen.info, remat=dict(chosen.info.get("remat", {}), budget=budget, segments=k,
-                                        peak_bytes=peaks[k]))
+                                        loops=loops, peak_bytes=peaks[loops, k]))
     return chosen.replace(info=info)
+
+
+def recompute_cost(graph: Graph) -> int:
+    """Recomputed eqns per step: a scan body's count once per iteration, a cond's largest."""
+    cost = 0
+    for e in graph.eqns:
+        cost += "recompute" in e.tags
+        if e.op == "scan":
+            cost += e.params["length"] * recompute_cost(e.params["body"])
+        elif e.op == "cond":
+            cost += max(recompute_cost(b) for b in e.params["branches"])
+    return cost
 
 
 def _without_regions(graph: Graph) -> Graph:

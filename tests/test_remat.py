@@ -9,6 +9,7 @@ from jax.extend import core as jex_core
 
 import jgraph as jg
 from jgraph.errors import TransformError
+from jgraph.ir import sub_graphs
 from jgraph.memory import donated_step
 from tests.models import MODELS
 
@@ -21,7 +22,12 @@ def joint(fn, *args, param_argnums=0, has_aux=False):
 
 
 def recomputed(graph, op=None):
-    return [e for e in graph.eqns if "recompute" in e.tags and (op is None or e.op == op)]
+    """Recompute eqns, those inside loop bodies included."""
+    found = [e for e in graph.eqns if "recompute" in e.tags and (op is None or e.op == op)]
+    for e in graph.eqns:
+        for sub in sub_graphs(e):
+            found += recomputed(sub, op)
+    return found
 
 
 def assert_bitwise(got, want):

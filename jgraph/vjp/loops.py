@@ -112,16 +112,16 @@ def _without_regions(e: Eqn) -> Eqn:
 def joint_body(body: Graph, wrt, with_ct, policy=None) -> Graph:
     """The body's VJP graph, rematerialized by its recorded regions (and `policy`, if given)."""
     from jgraph.backward import vjp_graph
-    from jgraph.remat import remat
+    from jgraph.remat import apply_regions
 
-    joint = vjp_graph(body, wrt, with_ct)
+    joint = vjp_graph(body, wrt, with_ct, loop_policy=policy)
     if (body.regions or policy is not None) and any("backward" in e.tags for e in joint.eqns):
-        joint = remat(joint, policy)
+        joint = apply_regions(joint, policy, body_outputs=len(body.outputs))
     return joint
 
 
 # -- linearize: the forward op that returns residuals ---------------------------------------------
-def linearize(graph: Graph, needs: set):
+def linearize(graph: Graph, needs: set, policy=None):
     """(forward eqns, {new eqn: how to transpose it}) with each scan/cond on the gradient path
     replaced by one that also returns its residuals."""
     eqns, linearized = [], {}
@@ -132,7 +132,7 @@ def linearize(graph: Graph, needs: set):
         if rule is None or not on_path:
             eqns.append(eqn)
             continue
-        new, how = rule(eqn, needs)
+        new, how = rule(eqn, needs, policy)
         eqns.append(new)
         linearized[new] = how
     return eqns, linearized
