@@ -256,3 +256,14 @@ def test_optimizer_trains_a_scanned_model_as_optax():
         want = optax.apply_updates(want, updates)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_recomputed_dots_inside_the_backward_loop_survive_xla(prevent_cse):
+    ws, x = WS.repeat(3, 1).repeat(3, 2), np.ones((2, 9), np.float32)
+    layer = lambda h, w: (jnp.tanh(jnp.sin(h @ w) @ w), None)
+    plain = lambda ws, x: jnp.sum(lax.scan(layer, x, ws)[0])
+    ck = lambda ws, x: jnp.sum(lax.scan(jax.checkpoint(layer, prevent_cse=prevent_cse), x, ws)[0])
+    base = jg.compiled_memory(joint(plain, ws, x), ws, x).dots
+    assert jg.compiled_memory(joint(ck, ws, x), ws, x).dots == base + 2  # the layer's two dots
+    assert base + 2 == jax.jit(jax.grad(ck)).lower(ws, x).compile().as_text().count(" dot(")

@@ -1,8 +1,8 @@
 """Every corpus model traces, checks, and runs exactly like the function it was traced from.
 
 `jg.compile(jg.trace(f, *a))(*a)` must equal `jax.jit(f)(*a)` bit for bit on CPU (same primitives,
-same compiler), and `jg.evaluate` must equal `f` run op by op (`jax.disable_jit`). The exception is
-`scan`, which jgraph unrolls while `jax.jit` keeps a loop: those models agree to rounding.
+same compiler, loops kept as loops), and `jg.evaluate` must equal `f` run op by op
+(`jax.disable_jit`).
 """
 
 import jax
@@ -13,7 +13,7 @@ from models import BY_NAME, MODELS
 
 import jgraph as jg
 
-UNROLLED = {"scan_layers"}  # different primitives from jax.jit's: compared to rounding
+UNROLLED: set[str] = set()  # models jgraph would run with other primitives than jax.jit (none)
 REQUIRED = {"mlp", "residual_mlp", "layer_norm", "causal_attention", "transformer_block",
             "cnn_pool_window", "cnn_pool_reshape", "embedding", "xent_optax", "xent_hand",
             "dropout", "checkpointed", "nested_jit", "pytree_params", "scan_layers",
