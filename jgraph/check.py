@@ -14,7 +14,7 @@ import numpy as np
 
 from jgraph import control_flow, ops
 from jgraph.errors import GraphError
-from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, Graph, Literal, Var, is_extended, short_aval
+from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, TAGS, Graph, Literal, Var, is_extended, short_aval
 from jgraph.printing import eqn_lines, var_name
 
 
@@ -65,6 +65,9 @@ def check(graph: Graph) -> Graph:
                 raise GraphError(f"{_where(graph, i)}: output {k} ({var_name(graph, v)}) is "
                                  f"defined twice")
             defined.add(v)
+        if not eqn.tags <= TAGS:
+            raise GraphError(f"{_where(graph, i)}: unknown tags {sorted(eqn.tags - TAGS)} (known: "
+                             f"{sorted(TAGS)})")
         _check_sub_graphs(graph, i, eqn)
         for r in eqn.regions:
             if r not in region_ids:

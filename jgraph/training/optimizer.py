@@ -411,7 +411,7 @@ class Optimizer:
 
     @property
     def executables(self) -> dict[str, Callable]:
-        """The jitted functions of the latest build (their `_cache_size()` counts compilations)."""
+        """The jitted functions of the latest build."""
         if self._last is None:
             raise JGraphError("Optimizer: nothing compiled yet; call init first")
         out = dict(self._last.executables)

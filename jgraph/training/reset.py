@@ -26,6 +26,7 @@ import numpy as np
 from jgraph import ops
 from jgraph.builder import Builder
 from jgraph.errors import TransformError
+from jgraph.interpreter import Interpreter
 from jgraph.ir import Graph, Literal, Var
 from jgraph.passes import dce
 from jgraph.training.graphs import LEAF, grad_params, grads_tree
@@ -89,12 +90,51 @@ def reset(graph: Graph, tx=None) -> Graph:
     )
 
 
-def _constant(atom, known):
-    """The value of an atom that is one value everywhere (scalar literal, broadcast), or None."""
-    if isinstance(atom, Literal):
-        value = np.asarray(atom.value)
-        return value.reshape(()) if value.size == 1 else None
-    return known.get(atom)
+class _FirstMicroStep(Interpreter):
+    """The interpreter loop on atoms instead of values (a partial evaluator): the counter reads
+    as the literal 0, a scalar eqn of known operands folds to a literal, a select on a known
+    predicate becomes its chosen case, and any other eqn is re-emitted on the atoms it reads."""
+
+    def __init__(self, counter: Var):
+        self.counter = counter
+        self.eqns: list = []
+        self.known: dict[Var, np.ndarray] = {}  # vars holding one value everywhere
+
+    def write(self, var, value):
+        if var is self.counter:
+            value = Literal(np.zeros((), var.aval.dtype), var.aval)
+        super().write(var, value)
+
+    def free(self, var):
+        pass  # atoms cost nothing; outputs must stay readable
+
+    def output(self, atom):
+        return atom if isinstance(atom, Literal) else self.env[atom]
+
+    def read(self, atom):
+        return atom if isinstance(atom, Literal) else self.env[atom]
+
+    def _constant(self, atom):
+        """The value of an atom that is one value everywhere (scalar literal, broadcast)."""
+        if isinstance(atom, Literal):
+            value = np.asarray(atom.value)
+            return value.reshape(()) if value.size == 1 else None
+        return self.known.get(atom)
+
+    def eval_eqn(self, eqn, inputs):
+        values = [self._constant(a) for a in inputs]
+        if eqn.op == "select_n" and values[0] is not None:  # a known predicate picks a case
+            return [inputs[1 + int(values[0])]]
+        if (all(v is not None for v in values) and len(eqn.outputs) == 1
+                and eqn.outputs[0].aval.shape == () and eqn.op in ops.lowerings):
+            out = eqn.outputs[0]  # fold a scalar computation
+            value = np.asarray(ops.lowerings[eqn.op](*values, **eqn.params)[0], out.aval.dtype)
+            return [Literal(value, out.aval)]
+        if eqn.op == "broadcast_in_dim" and values[0] is not None:
+            self.known[eqn.outputs[0]] = values[0]
+        inputs = tuple(inputs)
+        self.eqns.append(dataclasses.replace(eqn, inputs=inputs) if inputs != eqn.inputs else eqn)
+        return list(eqn.outputs)
 
 
 def first_micro_step(graph: Graph) -> Graph:
@@ -103,26 +143,8 @@ def first_micro_step(graph: Graph) -> Graph:
     if len(counters) != 1 or "accumulator" not in graph.input_roles:
         raise TransformError("first_micro_step: the graph needs accumulator inputs and one counter "
                              "input (build it with jg.accumulate)")
-    (counter,) = counters
-    zero = np.zeros((), counter.aval.dtype)
-    subst: dict[Var, object] = {counter: Literal(zero, counter.aval)}
-    known: dict[Var, np.ndarray] = {}  # vars holding one value everywhere
-    eqns = []
-    for eqn in graph.eqns:
-        inputs = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in eqn.inputs)
-        values = [_constant(a, known) for a in inputs]
-        if eqn.op == "select_n" and values[0] is not None:  # a known predicate picks a case
-            subst[eqn.outputs[0]] = inputs[1 + int(values[0])]
-            continue
-        if (all(v is not None for v in values) and len(eqn.outputs) == 1
-                and eqn.outputs[0].aval.shape == ()):  # fold a scalar computation
-            out = eqn.outputs[0]
-            value = np.asarray(ops.lowerings[eqn.op](*values, **eqn.params)[0], out.aval.dtype)
-            subst[out] = Literal(value, out.aval)
-            continue
-        if eqn.op == "broadcast_in_dim" and values[0] is not None:
-            known[eqn.outputs[0]] = values[0]
-        eqns.append(dataclasses.replace(eqn, inputs=inputs) if inputs != eqn.inputs else eqn)
-    outputs = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in graph.outputs)
-    return dce(graph.replace(eqns=tuple(eqns), outputs=outputs,
+    partial = _FirstMicroStep(counters[0])
+    with jax.disable_jit():  # folding runs one scalar op at a time, eagerly
+        outputs = tuple(partial.run(graph, *graph.inputs))
+    return dce(graph.replace(eqns=tuple(partial.eqns), outputs=outputs,
                              info={**graph.info, "first_micro_step": True}))
