@@ -50,6 +50,7 @@ def compare(name, fn, args, time_steps=True, repeats=11):
     gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
     step, split = donated_step(gb)
     state, rest = split(*args)
+    state = jax.tree.map(jnp.copy, state)  # donated by the timed steps: never the caller's
     compiled, _ = _compiled(step, state, rest)
     jg_compile = time.perf_counter() - start
     ref, ref_compile = _compiled(jax_step(fn), *args)
