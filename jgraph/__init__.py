@@ -5,7 +5,7 @@ VJP rules (`backward`), rematerialize, accumulate and step as graph -> graph tra
 result through XLA (`compile`).
 """
 
-from jgraph import policies, testing
+from jgraph import config, policies, testing
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
@@ -32,7 +32,7 @@ from jgraph.training import (
 __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
     "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
-    "testing", "to_jax",
+    "testing", "to_jax", "config",
     "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
     "first_micro_step",

@@ -20,6 +20,7 @@ import numpy as np
 
 from jgraph import errors, vjp
 from jgraph.builder import Builder
+from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.ir import Graph, Literal, Var, short_aval
 from jgraph.passes import dce
@@ -79,6 +80,7 @@ def backward(graph: Graph, *, loop_policy=None) -> Graph:
     `loop_policy` (a remat policy) is applied inside the bodies of loops and conds, on top of
     their own checkpoint regions; `jg.remat(gb, policy=...)` re-derives `gb` with it, so that a
     policy sees through loops. The result records its forward graph as `info["backward_of"]`."""
+    validate(graph, "jg.backward")
     if "grad" in graph.output_roles:
         raise TransformError("backward: the graph already has grad outputs")
     loss = _loss_output(graph)

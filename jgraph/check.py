@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jgraph import control_flow, ops
+from jgraph import config, control_flow, ops
 from jgraph.errors import GraphError
 from jgraph.ir import INPUT_ROLES, OUTPUT_ROLES, TAGS, Graph, Literal, Var, is_extended, short_aval
 from jgraph.printing import eqn_lines, var_name
@@ -22,8 +22,23 @@ def _same_aval(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
 
-def check(graph: Graph) -> Graph:
-    """Raise `GraphError` if `graph` is malformed; return it unchanged otherwise."""
+def validate(graph: Graph, what: str) -> Graph:
+    """The check every public transform makes of its input: the structure (atoms, definitions
+    before use, roles, regions), cheap and linear; with `jgraph.config.check_graphs` (on in the
+    test suite, or `JGRAPH_CHECK_GRAPHS=1`), the full `check`, shape rules included."""
+    if not isinstance(graph, Graph):
+        raise GraphError(f"{what} takes a jgraph Graph (from jg.trace), got "
+                         f"{type(graph).__name__}")
+    try:
+        return check(graph, shapes=config.check_graphs)
+    except GraphError as e:
+        e.add_note(f"(the graph given to {what})")
+        raise
+
+
+def check(graph: Graph, *, shapes: bool = True) -> Graph:
+    """Raise `GraphError` if `graph` is malformed; return it unchanged otherwise. With
+    `shapes=False`, the structure only (no shape rules: what `validate` does by default)."""
     _check_roles(graph)
     _check_regions(graph)
     defined: set[Var] = set()
@@ -47,18 +62,23 @@ def check(graph: Graph) -> Graph:
         if not ops.has_op(eqn.op):
             raise GraphError(f"{_where(graph, i)}: unknown op {eqn.op!r} (no shape rule or "
                              f"lowering)")
-        try:
-            want = ops.shape_rules[eqn.op](*(a.aval for a in eqn.inputs), **eqn.params)
-        except Exception as e:
-            raise GraphError(f"{_where(graph, i)}: the shape rule of {eqn.op!r} rejects its "
-                             f"inputs: {e}") from e
+        if not isinstance(eqn.outputs, tuple):
+            raise GraphError(f"{_where(graph, i)}: outputs are not a tuple of Vars")
+        if shapes:
+            try:
+                want = ops.shape_rules[eqn.op](*(a.aval for a in eqn.inputs), **eqn.params)
+            except Exception as e:
+                raise GraphError(f"{_where(graph, i)}: the shape rule of {eqn.op!r} rejects its "
+                                 f"inputs: {e}") from e
+        else:
+            want = [v.aval if isinstance(v, Var) else None for v in eqn.outputs]
         if len(want) != len(eqn.outputs):
             raise GraphError(f"{_where(graph, i)}: {eqn.op!r} gives {len(want)} outputs, the eqn "
                              f"has {len(eqn.outputs)}")
         for k, (v, aval) in enumerate(zip(eqn.outputs, want, strict=True)):
             if not isinstance(v, Var):
                 raise GraphError(f"{_where(graph, i)}: output {k} is not a Var: {v!r}")
-            if not _same_aval(v.aval, aval):
+            if shapes and not _same_aval(v.aval, aval):
                 raise GraphError(f"{_where(graph, i)}: output {k} has aval {short_aval(v.aval)} "
                                  f"but the shape rule of {eqn.op!r} gives {short_aval(aval)}")
             if v in defined:
@@ -68,7 +88,7 @@ def check(graph: Graph) -> Graph:
         if not eqn.tags <= TAGS:
             raise GraphError(f"{_where(graph, i)}: unknown tags {sorted(eqn.tags - TAGS)} (known: "
                              f"{sorted(TAGS)})")
-        _check_sub_graphs(graph, i, eqn)
+        _check_sub_graphs(graph, i, eqn, shapes)
         for r in eqn.regions:
             if r not in region_ids:
                 raise GraphError(f"{_where(graph, i)}: refers to unknown checkpoint region {r}")
@@ -82,16 +102,16 @@ def check(graph: Graph) -> Graph:
     return graph
 
 
-def _check_sub_graphs(graph: Graph, i: int, eqn) -> None:
+def _check_sub_graphs(graph: Graph, i: int, eqn, shapes: bool = True) -> None:
     """A control-flow eqn's sub-graphs are valid graphs that fit its operands."""
     subs = [(k, v) for k, value in eqn.params.items()
             for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, Graph)]
     for key, sub in subs:
         try:
-            check(sub)
+            check(sub, shapes=shapes)
         except GraphError as e:
             raise GraphError(f"{_where(graph, i)}: in its {key}: {e}") from e
-    if subs:
+    if subs and shapes:
         problem = control_flow.signature_problem(eqn)
         if problem:
             raise GraphError(f"{_where(graph, i)}: {problem}")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgraph import ops
+from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
 from jgraph.errors import JGraphError, while_processing
 from jgraph.ir import Graph, Literal, Var, short_aval
@@ -177,6 +178,7 @@ def unflatten_outputs(graph: Graph, flat):
 def evaluate(graph: Graph, *args):
     """Run `graph` op by op without `jax.jit` (the reference interpreter). Loops run in Python,
     one body eqn at a time (`jax.disable_jit` makes `lax.scan` and friends loop eagerly)."""
+    validate(graph, "jg.evaluate")
     flat = flatten_args(graph, args)
     with jax.disable_jit():
         return unflatten_outputs(graph, Interpreter().run(graph, *flat))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jgraph.check import validate
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Graph, Var, is_float
 
@@ -130,4 +131,5 @@ def as_function(graph: Graph):
 
 def compile(graph: Graph, *, donate_argnums=()):  # noqa: A001 - the public name is fixed
     """`jax.jit` of the graph; arguments and results are pytrees as in the traced function."""
+    validate(graph, "jg.compile")
     return jax.jit(as_function(graph), donate_argnums=donate_argnums)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter, flatten_args
 from jgraph.ir import Graph, Var, short_aval, sub_graphs
@@ -105,6 +106,7 @@ class _LiveBytes(Interpreter):
 
 def memory(graph: Graph) -> MemoryReport:
     """Live bytes per eqn on the graph's schedule, their peak, and the saved residuals."""
+    validate(graph, "jg.memory")
     live = _LiveBytes()
     live.run(graph)
     per_eqn = live.per_eqn
@@ -208,6 +210,7 @@ def _params_in_grad_order(graph: Graph) -> list[int]:
 
 def compiled_memory(graph: Graph, *args) -> CompiledMemory:
     """XLA's memory figures for the compiled donated training step of `graph` on `args`."""
+    validate(graph, "jg.compiled_memory")
     step, split = donated_step(graph)
     compiled = step.lower(*split(*args)).compile()
     stats = compiled.memory_analysis()

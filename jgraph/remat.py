@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from jgraph import policies
+from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Region, Var
 from jgraph.passes import dce
@@ -47,6 +48,7 @@ def is_forward(eqn: Eqn) -> bool:
 def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
     `budget=` (bytes) plans regions itself instead (see `remat_under_budget`)."""
+    validate(graph, "jg.remat")
     if not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
                              "first (this graph has no eqn tagged 'backward')")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 
 from jgraph import ops, vjp
+from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
@@ -69,6 +70,7 @@ class _CustomVJPLowering(Interpreter):
 
 def to_jax(graph: Graph):
     """A plain JAX function running `graph` whose gradients use jgraph's VJP rules."""
+    validate(graph, "jg.to_jax")
     lowering = _CustomVJPLowering(graph)
 
     def fn(*args):

@@ -13,7 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jgraph import config
 from jgraph.builder import Builder
+from jgraph.check import check
 from jgraph.errors import TraceError
 from jgraph.ir import Graph, Var
 
@@ -62,7 +64,7 @@ def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
     output_roles = ["aux"] * len(outputs)
     if n_loss == 1 and outputs and _is_scalar_float(outputs[0].aval):
         output_roles[0] = "loss"
-    return Graph(
+    graph = Graph(
         inputs=inputs,
         eqns=tuple(builder.eqns),
         outputs=outputs,
@@ -74,3 +76,4 @@ def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
         param_argnums=param_argnums,
         has_aux=has_aux,
     )
+    return check(graph) if config.check_graphs else graph

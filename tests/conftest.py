@@ -1,7 +1,9 @@
 """Test configuration: JAX's defaults (x64 off), float64 scoped by a marker, hypothesis profiles.
 
-Users run JAX with `jax_enable_x64=False`, so the suite does too. A test that needs float64 (finite
-differences, exact references) is marked `@pytest.mark.f64`: it runs inside `jax.enable_x64(True)`.
+Users run JAX with `jax_enable_x64=False`, so the suite does too. `jgraph.config.check_graphs` is
+on: every traced graph and every transform's input gets the full `jg.check`. A test that needs
+float64 (finite differences, exact references) is marked `@pytest.mark.f64`: it runs inside
+`jax.enable_x64(True)`.
 Hypothesis profiles: `ci` (small, the default) and `thorough` (`HYPOTHESIS_PROFILE=thorough`).
 """
 
@@ -10,6 +12,11 @@ import os
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+import jgraph
+
+# Every graph the suite traces, and every graph a transform is given, gets the full `jg.check`.
+jgraph.config.check_graphs = True
 
 settings.register_profile(
     "ci", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -25,6 +25,7 @@ from jax import lax
 from jax.core import ShapedArray
 
 from jgraph.builder import Builder
+from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.ir import Graph, Literal, Var
 from jgraph.training.graphs import LEAF, call_parts, gradient_outputs, grads_tree, tuple_tree
@@ -53,6 +54,7 @@ def _next_counter(counter, *, period):
 
 def accumulate(graph: Graph, period: int, loss: str = "mean") -> Graph:
     """The micro-step graph of gradient accumulation over `period` micro-batches."""
+    validate(graph, "jg.accumulate")
     if not isinstance(period, (int, np.integer)) or period < 1:
         raise TransformError(f"accumulate: period must be a positive int, got {period!r}")
     if "accumulator" in graph.input_roles:

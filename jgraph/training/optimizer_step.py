@@ -15,6 +15,7 @@ import optax
 from jax.core import ShapedArray
 
 from jgraph.builder import Builder
+from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.ir import Graph, Var
 from jgraph.training.graphs import (
@@ -46,6 +47,7 @@ def _update(*flat, tx, tree, state_tree):
 
 def optimizer_step(graph: Graph, tx: optax.GradientTransformation) -> Graph:
     """Append the optimizer update to `graph`: new params and optimizer state become outputs."""
+    validate(graph, "jg.optimizer_step")
     if "opt_state" in graph.input_roles:
         raise TransformError("optimizer_step: the graph already has an optimizer step")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):

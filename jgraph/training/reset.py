@@ -25,6 +25,7 @@ import numpy as np
 
 from jgraph import ops
 from jgraph.builder import Builder
+from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter
 from jgraph.ir import Graph, Literal, Var
@@ -49,6 +50,7 @@ def reset(graph: Graph, tx=None) -> Graph:
 
     The optimizer state is `tx.init(params)`, for the optax transformation `tx` given, or else
     the one `optimizer_step` recorded on the graph (DESIGN §6 keeps `jg.reset(go)` working)."""
+    validate(graph, "jg.reset")
     tree = grads_tree(graph)
     params = tuple(Var(p.aval) for p in grad_params(graph))
     b = Builder()
@@ -139,6 +141,7 @@ class _FirstMicroStep(Interpreter):
 
 def first_micro_step(graph: Graph) -> Graph:
     """`graph` specialised to counter 0: the first micro-step of a period reads no accumulator."""
+    validate(graph, "jg.first_micro_step")
     counters = graph.inputs_with_role("counter")
     if len(counters) != 1 or "accumulator" not in graph.input_roles:
         raise TransformError("first_micro_step: the graph needs accumulator inputs and one counter "
