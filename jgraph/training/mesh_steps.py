@@ -19,10 +19,19 @@ Per-shard outputs (losses, predictions) are combined into the micro-batch's by a
 executable, so the step itself stays free of collectives. Non-finite guards follow the
 Optimizer's modes; the "raise" mode's check of a micro-step is one all-reduce of a bool (every
 shard must agree to keep or drop the step), the only collective such a step has.
+
+Pacing (CPU devices only). XLA:CPU runs each device's part of a multi-device program on a thread
+pool as large as the process's device count, and launches them from that pool; a launch that
+finds its device's queue of in-flight programs full (32) blocks its pool thread, and a collective
+that is running then waits forever for the participant that thread should run. A host loop that
+dispatches steps faster than they run gets there (seen with 8 host devices, and with 2 processes
+on loopback). So on CPU meshes a step waits for the step before the previous one before it is
+dispatched: at most two steps in flight, far below the queue's limit.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Callable
 
 import jax
@@ -34,17 +43,42 @@ from jgraph.lower import as_function
 from jgraph.training.mesh import MeshPlan, combine
 
 
+class Pace:
+    """At most `depth` steps in flight: a step waits for the one `depth` steps before it."""
+
+    def __init__(self, depth: int = 2):
+        self.depth, self.pending = depth, collections.deque()
+
+    def wait(self) -> None:
+        while len(self.pending) >= self.depth:
+            try:
+                jax.block_until_ready(self.pending.popleft())
+            except RuntimeError:  # deleted by its owner: it ran
+                pass
+
+    def add(self, value) -> None:
+        self.pending.append(value)
+
+
 class MeshStep:
-    """A jitted step whose per-shard outputs are combined into the micro-batch's on the way out.
+    """A jitted step on the mesh: paced (see the module docstring), and its per-shard outputs
+    combined into the micro-batch's on the way out (`finish`, applied to result `value_at`).
 
     `lower` and `_cache_size` are the jitted function's (to read XLA's HLO and memory)."""
 
-    def __init__(self, jitted, finish: Callable):
-        self.jitted, self.finish = jitted, finish
+    def __init__(self, jitted, finish: Callable | None = None, pace: Pace | None = None,
+                 value_at: int | None = 0):
+        self.jitted, self.finish, self.pace, self.value_at = jitted, finish, pace, value_at
 
     def __call__(self, *args):
+        if self.pace is not None:
+            self.pace.wait()
         out = self.jitted(*args)
-        return (self.finish(out[0]),) + tuple(out[1:])
+        if self.finish is not None:
+            out = (self.finish(out[0]),) + tuple(out[1:])
+        if self.pace is not None:  # the value (never donated) is ready when the step has run
+            self.pace.add(out if self.value_at is None else out[self.value_at])
+        return out
 
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)
@@ -75,14 +109,16 @@ class MeshSteps:
         x = (plan.batched, rep) if keyed else plan.batched
         self.data = (x, plan.batched) if labelled else (x,)
         self.stats = jax.jit(combine, out_shardings=rep)
+        cpu = plan.mesh.devices.flat[0].platform == "cpu"
+        self.pace = Pace() if cpu else None
         self.summed = jax.jit(lambda acc: jax.tree.map(lambda a: jnp.sum(a, 0), acc),
                               out_shardings=rep)  # the accumulated gradient, whole
 
     # -- the period-1 steps and the forward pass: the whole micro-batch, partitioned by XLA --------
     def forward(self, graph: Graph):
         rep = self.plan.replicated
-        return jax.jit(as_function(graph), in_shardings=(self.params, *self.data),
-                       out_shardings=rep)
+        return MeshStep(jax.jit(as_function(graph), in_shardings=(self.params, *self.data),
+                                out_shardings=rep), pace=self.pace, value_at=None)
 
     def whole(self, graph: Graph, has_opt: bool, donate=()):
         """`grad` (value, grads) or `opt` (value, grads, params, opt_state) of period 1."""
@@ -91,8 +127,8 @@ class MeshSteps:
         outs = (rep, self.params) + ((self.params, self.opt_state) if has_opt else ())
         if graph.info.get("finite_output") is not None:
             outs += (rep,)
-        return jax.jit(as_function(graph), in_shardings=ins, out_shardings=outs,
-                       donate_argnums=donate)
+        return MeshStep(jax.jit(as_function(graph), in_shardings=ins, out_shardings=outs,
+                                donate_argnums=donate), pace=self.pace)
 
     def reset(self, graph: Graph, params):
         """`params -> {state part: reset value}`; accumulators per device when period > 1."""
@@ -150,7 +186,7 @@ class MeshSteps:
         outs = (batched, self.acc, None) + ((rep,) if raising else ())
         jitted = jax.jit(step, in_shardings=(self.params, *self.data, self.acc, rep),
                          out_shardings=outs, donate_argnums=donate)
-        return MeshStep(jitted, self.stats)
+        return MeshStep(jitted, self.stats, self.pace)
 
     def opt(self, graph: Graph, update: Graph, donate=()):
         """`(params, *data, acc, counter, opt_state) -> (value, acc, None, params, opt_state
@@ -178,7 +214,7 @@ class MeshSteps:
         jitted = jax.jit(step, in_shardings=(self.params, *self.data, self.acc, rep,
                                              self.opt_state),
                          out_shardings=outs, donate_argnums=donate)
-        return MeshStep(jitted, self.stats)
+        return MeshStep(jitted, self.stats, self.pace)
 
     def period_function(self, graph: Graph, update: Graph, donate=()):
         """`step_period`'s function on the mesh: the micro-steps scanned, then one reduction and
@@ -215,6 +251,6 @@ class MeshSteps:
         acc = self.acc if self.period > 1 else None
         ins = (self.params, acc, self.opt_state, stacked,
                stacked if self.labelled else None) + ((rep,) if self.keyed else ())
-        return jax.jit(run, in_shardings=ins,
-                       out_shardings=(self.params, acc, self.opt_state, rep, rep),
-                       donate_argnums=donate)
+        return MeshStep(jax.jit(run, in_shardings=ins,
+                                out_shardings=(self.params, acc, self.opt_state, rep, rep),
+                                donate_argnums=donate), pace=self.pace, value_at=3)
