@@ -25,6 +25,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 faulthandler.dump_traceback_later(float(os.environ.get("JGRAPH_CHILD_TIMEOUT", "240")), exit=True)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -171,6 +172,57 @@ def check_fit():
     report("fit mesh argument", rel=rel(params, ref))
 
 
+def dropout_model(p, x):
+    keep = jax.random.bernoulli(p["key"], 0.9, (x.shape[0], 16))
+    return (layer(p["w"], p["b"], x) * keep) @ p["v"]
+
+
+def check_keys():
+    """PRNG keys in params: carried unchanged; period 1 draws as one device does; with period 4
+    each shard folds in its index (its own draws)."""
+    params = {**P0, "key": jax.random.key(7)}
+    for period in (1, 4):
+        runs = []
+        for k in (None, 4):
+            opt = optimizer(k, period, fn=dropout_model)
+            state = opt.init(params, X[:BATCH], Y[:BATCH])
+            state, _ = train(opt, 8, state)
+            runs.append(state.params)
+        report(f"keys period={period}", rel=rel({n: runs[0][n] for n in P0},
+                                                 {n: runs[1][n] for n in P0}),
+               key_kept=bool(np.array_equal(jax.random.key_data(runs[1]["key"]),
+                                            jax.random.key_data(params["key"]))))
+
+    def probe(p, x):  # each row: its 16 mask bits as a number, exactly
+        keep = jax.random.bernoulli(p["key"], 0.5, (x.shape[0], 16)).astype(x.dtype)
+        return keep @ (2.0 ** jnp.arange(16, dtype=x.dtype)) + 0 * (x @ p["w"])[:, 0]
+
+    opt = jg.Optimizer(probe, TX, loss="sum", period=4, mesh=mesh_of(4))
+    state = opt.init(params, X[:BATCH])
+    per_shard = opt.executables["grad"].jitted(
+        opt._split(state.params)[0], *opt._data(X[:BATCH], None, opt._split(state.params)[1]),
+        state.grad_acc, opt._counter(0))[0]
+    report("keys per shard", sums=np.asarray(per_shard).tolist())
+
+
+def check_fit_resume(tmp):
+    """fit on 4 devices stopped after 1 epoch (its checkpoint) and resumed for a second one ends
+    bitwise where the 2-epoch run ends; resumed on 2 devices, equal to rounding."""
+    kw = dict(loss="cross_entropy", tx=TX, batch_size=32, physical_batch_size=8,
+              progress=False, key=jax.random.PRNGKey(5))
+    full, _ = jg.fit(model, P0, jg.Dataset(X, Y), epochs=2, mesh=mesh_of(4), **kw)
+    path = os.path.join(tmp, "fit.jgs")
+    jg.fit(model, P0, jg.Dataset(X, Y), epochs=1, mesh=mesh_of(4), checkpoint_path=path, **kw)
+    resumed, hist = jg.fit(model, P0, jg.Dataset(X, Y), epochs=2, mesh=mesh_of(4),
+                           checkpoint_path=path, **kw)
+    report("fit resume k=4", bitwise=same_bits(resumed, full), epochs=len(hist.train_loss))
+    path2 = os.path.join(tmp, "fit2.jgs")
+    jg.fit(model, P0, jg.Dataset(X, Y), epochs=1, mesh=mesh_of(4), checkpoint_path=path2, **kw)
+    resumed, _ = jg.fit(model, P0, jg.Dataset(X, Y), epochs=2, mesh=mesh_of(2),
+                        checkpoint_path=path2, **kw)
+    report("fit resume k=2", rel=rel(resumed, full))
+
+
 def check_step_period():
     opt = optimizer(4, 4)
     state, _ = train(opt, 8)
@@ -256,7 +308,9 @@ def suite(slow: bool):
     check_constraint()
     with tempfile.TemporaryDirectory() as tmp:
         check_save_load(tmp)
+        check_fit_resume(tmp)
     check_fit()
+    check_keys()
     check_step_period()
     check_nonfinite()
     check_errors()

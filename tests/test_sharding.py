@@ -213,6 +213,21 @@ def test_fit_and_dataset_on_a_mesh(suite):
     np.testing.assert_allclose(*suite["fit dataset mesh"]["val"], rtol=RTOL)
 
 
+def test_fit_checkpoints_resume_on_a_mesh(suite):
+    r = suite["fit resume k=4"]
+    assert r["bitwise"] and r["epochs"] == 2, r
+    assert suite["fit resume k=2"]["rel"] <= RTOL
+
+
+def test_prng_keys_in_params_on_a_mesh(suite):
+    assert suite["keys period=1"]["rel"] <= RTOL  # the whole micro-batch: one device's draws
+    for period in (1, 4):
+        assert suite[f"keys period={period}"]["key_kept"]
+    # period 4: each shard draws its own mask (the key folded with the shard index)
+    sums = suite["keys per shard"]["sums"]
+    assert len(sums) == 4 and len(set(sums)) == 4, sums
+
+
 def test_step_period_and_nonfinite_on_a_mesh(suite):
     assert suite["step_period"]["rel"] <= RTOL
     assert suite["nonfinite raise"]["raised_and_kept"]

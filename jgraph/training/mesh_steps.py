@@ -13,7 +13,8 @@ leading axis, split along the data axis): every device updates its own accumulat
 crosses devices. The last micro-step of a period then sums the accumulators over the shards (the
 one reduction of the period: an all-reduce, or a reduce-scatter for sharded params) and applies
 the `update` graph (`optimizer_step` of the accumulated gradient). A model whose datapoints
-interact (batch statistics) therefore sees one shard per micro-step, as in DDP.
+interact (batch statistics) therefore sees one shard per micro-step, as in DDP, and PRNG keys
+among the params are folded with the shard index (each shard draws its own random values).
 
 Per-shard outputs (losses, predictions) are combined into the micro-batch's by a small separate
 executable, so the step itself stays free of collectives. Non-finite guards follow the
@@ -149,18 +150,25 @@ class MeshSteps:
 
     # -- period > 1: per-device micro-steps, one reduction per period ------------------------------
     def _local(self, graph: Graph):
-        """`(params, data, acc, counter) -> the graph's outputs, one per shard on axis 0`."""
+        """`(params, data, acc, counter) -> the graph's outputs, one per shard on axis 0`.
+
+        PRNG keys among the params are folded with the shard's index, so that shards draw
+        independent random values (one device's draws over the whole micro-batch cannot be
+        reproduced shard by shard)."""
         fn, keyed, axis = as_function(graph), self.keyed, self.plan.data_axis
 
-        def one_shard(batch, acc, params, keys, counter):
+        def one_shard(batch, acc, shard, params, keys, counter):
             x, *labels = batch
-            return fn(params, (x, keys) if keyed else x, *labels, acc, counter)
+            if keyed:
+                x = (x, jax.tree.map(lambda k: jax.random.fold_in(k, shard), keys))
+            return fn(params, x, *labels, acc, counter)
 
-        mapped = jax.vmap(one_shard, in_axes=(0, 0, None, None, None), spmd_axis_name=axis)
+        mapped = jax.vmap(one_shard, in_axes=(0, 0, 0, None, None, None), spmd_axis_name=axis)
 
         def run(params, data, acc, counter):
             (x, keys), labels = (data[0] if keyed else (data[0], None)), data[1:]
-            return mapped(self.plan.split((x, *labels)), acc, params, keys, counter)
+            shards = jnp.arange(self.plan.size, dtype=jnp.uint32)
+            return mapped(self.plan.split((x, *labels)), acc, shards, params, keys, counter)
 
         return run
 
