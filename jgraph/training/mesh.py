@@ -239,14 +239,23 @@ def _drop_axis(sharding, axis):
 def without_data_axis(graph: Graph, axis) -> Graph:
     """`graph` with `axis` removed from its sharding constraints, for the per-device program (in
     which the data axis is the mapped axis, added back by `vmap(spmd_axis_name=axis)`)."""
+    def sub(v):  # a loop body, or a cond's branches
+        if isinstance(v, Graph):
+            return without_data_axis(v, axis)
+        if isinstance(v, tuple) and v and all(isinstance(b, Graph) for b in v):
+            new = tuple(without_data_axis(b, axis) for b in v)
+            return v if all(a is b for a, b in zip(new, v, strict=True)) else new
+        return v
+
     eqns = []
     for eqn in graph.eqns:
-        params = {k: without_data_axis(v, axis) if isinstance(v, Graph) else v
-                  for k, v in eqn.params.items()}
+        params = {k: sub(v) for k, v in eqn.params.items()}
         if eqn.op == "sharding_constraint":
             params["sharding"] = _drop_axis(params["sharding"], axis)
         changed = any(params[k] is not eqn.params[k] for k in params)
         eqns.append(dataclasses.replace(eqn, params=params) if changed else eqn)
+    if all(a is b for a, b in zip(eqns, graph.eqns, strict=True)):
+        return graph
     return graph.replace(eqns=tuple(eqns))
 
 
