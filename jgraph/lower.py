@@ -129,7 +129,16 @@ def as_function(graph: Graph):
     return fn
 
 
-def compile(graph: Graph, *, donate_argnums=()):  # noqa: A001 - the public name is fixed
-    """`jax.jit` of the graph; arguments and results are pytrees as in the traced function."""
+def compile(graph: Graph, *, in_shardings=None, out_shardings=None,  # noqa: A001 - fixed name
+            donate_argnums=()):
+    """`jax.jit` of the graph; arguments and results are pytrees as in the traced function.
+
+    `in_shardings`, `out_shardings` and `donate_argnums` are passed to `jax.jit` as they are
+    (shardings as pytree prefixes of the arguments and results, e.g. `NamedSharding`s of a
+    `jax.sharding.Mesh`); None leaves the choice to JAX, as when they are not given. Sharding
+    constraints met while tracing (`jax.lax.with_sharding_constraint`) are ops of the graph and
+    are lowered as such."""
     validate(graph, "jg.compile")
-    return jax.jit(as_function(graph), donate_argnums=donate_argnums)
+    shardings = {"in_shardings": in_shardings, "out_shardings": out_shardings}
+    return jax.jit(as_function(graph), donate_argnums=donate_argnums,
+                   **{k: v for k, v in shardings.items() if v is not None})

@@ -167,6 +167,19 @@ def _conv_cases():
     return cases
 
 
+def _sharding_cases():
+    """A layout annotation (on this process's one device; many devices: tests/test_sharding.py):
+    its cotangent gets the same constraint."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    return [Case("sharding_constraint", f"{spec}", lambda x, s=spec: jnp.sin(
+                     lax.with_sharding_constraint(x, NamedSharding(mesh, s))),
+                 (Arg((4, 3)),), ("sharding_constraint",), RC)
+            for spec in (PartitionSpec("data"), PartitionSpec(None, "data"))]
+
+
 def cases():
     return (_broadcast_cases() + _reshape_cases() + _permutation_cases() + _slice_cases()
-            + _pad_cases() + _joining_cases() + _dot_cases() + _conv_cases())
+            + _pad_cases() + _joining_cases() + _dot_cases() + _conv_cases() + _sharding_cases())

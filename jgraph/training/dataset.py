@@ -7,6 +7,10 @@ the first `idata` datapoints (which keeps a validation tail fixed), with an expl
 `batch(ibatch, batch_size)` serves the `ibatch`-th block of shards; a shard stays in order.
 Sizes and indices are checked ints (`ArgumentError`); data and labels must hold numbers.
 `copy()` gives a dataset over the same arrays with its own order (what `fit` shuffles).
+
+With a `mesh`, `batch` serves global `jax.Array`s split along the mesh's `data_axis` (every
+process of a multi-process run serves the same batch and places only its own shards); a batch
+size that the axis does not divide is an `ArgumentError`.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import numpy as np
 
 from jgraph.errors import JGraphError
 from jgraph.training.arguments import ArgumentError, integer, numeric_array, positive_int
+from jgraph.training.mesh import MeshPlan
 
 
 class Dataset:
     """Data (and labels) on the host, served in batches of whole shards."""
 
-    def __init__(self, data, labels=None, shard_size: int = 1):
+    def __init__(self, data, labels=None, shard_size: int = 1, mesh=None,
+                 data_axis: str = "data"):
         self.data = numeric_array(data, "Dataset: data")
         self.labels = None if labels is None else numeric_array(labels, "Dataset: labels")
         if self.data.ndim == 0 or len(self.data) == 0:
@@ -35,12 +41,19 @@ class Dataset:
             raise JGraphError(f"Dataset: shard_size {self.shard_size} exceeds the "
                               f"{len(self.data)} datapoints (no shard could be served)")
         self.permutation = np.arange(len(self.data) // self.shard_size, dtype=np.int64)
+        self.plan = None if mesh is None else MeshPlan(mesh, data_axis)
+
+    @property
+    def mesh(self):
+        """The mesh batches are placed on (None: NumPy batches on the host)."""
+        return None if self.plan is None else self.plan.mesh
 
     def copy(self) -> Dataset:
         """A dataset over the same data and labels (not copied) with its own shard order."""
         other = object.__new__(Dataset)
         other.data, other.labels, other.shard_size = self.data, self.labels, self.shard_size
         other.permutation = self.permutation.copy()
+        other.plan = self.plan
         return other
 
     @property
@@ -83,6 +96,13 @@ class Dataset:
         if (ibatch + 1) * per > self.nshards:
             raise JGraphError(f"Dataset.batch: batch {ibatch} of size {batch_size} is out of "
                               f"range ({self.ndata} datapoints)")
+        if self.plan is not None and batch_size % self.plan.size:
+            raise ArgumentError(f"Dataset.batch: batch size {batch_size} is not divisible by the "
+                                f"{self.plan.size} devices of mesh axis "
+                                f"{self.plan.data_axis!r}")
         shards = self.permutation[ibatch * per:(ibatch + 1) * per]
         idx = (shards[:, None] * self.shard_size + np.arange(self.shard_size)).reshape(-1)
-        return self.data[idx], None if self.labels is None else self.labels[idx]
+        x, y = self.data[idx], None if self.labels is None else self.labels[idx]
+        if self.plan is not None:
+            return self.plan.put_batch(x, "Dataset.batch"), self.plan.put_batch(y, "Dataset.batch")
+        return x, y

@@ -14,6 +14,10 @@ Stopping. Ctrl-C stops `fit` at the next step boundary (a second Ctrl-C aborts a
 `checkpoint_path`). `checkpoint_every=N` also writes the checkpoint every N optimizer steps (or
 `"epoch"`); `fit` with an existing `checkpoint_path` resumes from it and, given the same
 arguments, ends bitwise where the uninterrupted run ends.
+
+Many devices: `fit(..., mesh=mesh)` (or a `Dataset` made with a mesh) trains data-parallel on the
+mesh (see `Optimizer`); the physical batch must divide evenly over the mesh's `data_axis`.
+Checkpoints hold full arrays, so a run may resume on a mesh of another size, or on none.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from jgraph.training.arguments import (
 from jgraph.training.dataset import Dataset
 from jgraph.training.fit_state import HISTORY_FIELDS, Position, key_to_json, position_from_json
 from jgraph.training.interrupts import StopRequest
+from jgraph.training.mesh import MeshPlan
 from jgraph.training.optimizer import Optimizer, TrainState
 from jgraph.training.result import Result
 
@@ -168,7 +173,7 @@ class _Plan:
     nbatches: int  # micro-batches per epoch
 
 
-def _plan(dataset: Dataset, batch_size, physical_batch_size, val_split) -> _Plan:
+def _plan(dataset: Dataset, batch_size, physical_batch_size, val_split, devices=1) -> _Plan:
     ndata = dataset.ndata
     batch_size = ndata if batch_size is None else positive_int(batch_size, "fit: batch_size")
     physical = (batch_size if physical_batch_size is None
@@ -181,6 +186,9 @@ def _plan(dataset: Dataset, batch_size, physical_batch_size, val_split) -> _Plan
     if physical % dataset.shard_size:
         raise ArgumentError(f"fit: physical_batch_size {physical} is not a multiple of the "
                             f"dataset's shard size {dataset.shard_size}")
+    if physical % devices:
+        raise ArgumentError(f"fit: physical_batch_size {physical} is not divisible by the "
+                            f"{devices} devices of the mesh's data axis")
     val_split = real(val_split, "fit: val_split", 0.0, 1.0, high_open=True)
     period = batch_size // physical
     ibatch_split = int((1.0 - val_split) * (ndata // batch_size)) * period
@@ -188,6 +196,18 @@ def _plan(dataset: Dataset, batch_size, physical_batch_size, val_split) -> _Plan
         raise ArgumentError(f"fit: val_split={val_split} leaves no training batch")
     return _Plan(ndata, batch_size, physical, period, ibatch_split * physical, ibatch_split,
                  ndata // physical)
+
+
+def _placement(dataset: Dataset, mesh, data_axis) -> MeshPlan | None:
+    """The mesh fit trains on: `mesh`, else the dataset's; both given, they must agree."""
+    if mesh is None:
+        return dataset.plan
+    plan = MeshPlan(mesh, data_axis)
+    if dataset.plan is not None and (dataset.plan.mesh != mesh
+                                     or dataset.plan.data_axis != data_axis):
+        raise ArgumentError(f"fit: mesh/data_axis {data_axis!r} differ from the dataset's "
+                            f"(axis {dataset.plan.data_axis!r}); give one of them")
+    return plan
 
 
 def _checkpoint_every(every, path):
@@ -339,7 +359,7 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
         batch_size: int | None = None, physical_batch_size: int | None = None,
         val_split: float = 0.0, progress: bool = True, remat=None, static: bool = True,
         key=None, callback=None, on_nonfinite: str = "raise", checkpoint_every=None,
-        checkpoint_path=None):
+        checkpoint_path=None, mesh=None, data_axis: str = "data", param_sharding=None):
     """Train `fn`'s params on `dataset`; return `(params, History)` (ggml_opt_fit).
 
     `batch_size` is the logical batch (default: all data), `physical_batch_size` the micro-batch
@@ -348,12 +368,16 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
     epoch. `on_nonfinite`: "raise" (stop with `NonFiniteError`, keeping the last finite state),
     "skip" (drop non-finite updates, as `optax.apply_if_finite`), "ignore". `checkpoint_path`:
     where the state is written when the run ends or stops, and every `checkpoint_every`
-    optimizer steps (or "epoch"); an existing one is resumed. See the module docstring.
+    optimizer steps (or "epoch"); an existing one is resumed. `mesh`, `data_axis`,
+    `param_sharding`: train on a `jax.sharding.Mesh` (default: the dataset's mesh, if any), as
+    `Optimizer` does. See the module docstring.
     """
     if not isinstance(dataset, Dataset):
         raise ArgumentError(f"fit: dataset must be a jg.Dataset, got {type(dataset).__name__}")
     epochs = positive_int(epochs, "fit: epochs")
-    plan = _plan(dataset, batch_size, physical_batch_size, val_split)
+    placement = _placement(dataset, mesh, data_axis)
+    plan = _plan(dataset, batch_size, physical_batch_size, val_split,
+                 1 if placement is None else placement.size)
     on_nonfinite = choice(on_nonfinite, "fit: on_nonfinite", NONFINITE_MODES)
     path = None if checkpoint_path is None else Path(checkpoint_path)
     every = _checkpoint_every(checkpoint_every, path)
@@ -365,8 +389,12 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
     except (AttributeError, TypeError, ValueError, JGraphError) as e:
         raise ArgumentError(f"fit: key must be a JAX PRNG key, got {key!r:.60}") from e
     ds = dataset.copy()  # fit shuffles its own order: the caller's dataset never changes
+    ds.plan = placement
+    mesh, data_axis = (None, "data") if placement is None else (placement.mesh,
+                                                                placement.data_axis)
     opt = Optimizer(fn, tx, loss=loss, period=plan.period, static=static, remat=remat,
-                    on_nonfinite=on_nonfinite)
+                    on_nonfinite=on_nonfinite, mesh=mesh, data_axis=data_axis,
+                    param_sharding=param_sharding)
     x0, y0 = ds.batch(0, plan.physical)
     state = opt.init(params, x0, y0 if opt.needs_labels else None)
     if opt.needs_labels:

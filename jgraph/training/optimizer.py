@@ -23,6 +23,13 @@ non-finite updates of params and optimizer state, as `optax.apply_if_finite` doe
 for the flag: a period with a non-finite micro-batch makes no update (`apply_if_finite` applied to
 the period's mean gradient), and the next period starts from zeroed accumulators;
 `StepOutput.finite` holds the flag.
+
+Many devices (`mesh`): the same graphs run on a `jax.sharding.Mesh`, the batch split along
+`data_axis`, params and optimizer state replicated or sharded by `param_sharding` (see
+`jgraph.training.mesh` for where everything lives and `mesh_steps` for the executables). With
+`period > 1` each device accumulates its own shard's gradients and they cross devices once per
+period, in the optimizer step; `state.grad_acc` then holds one partial sum per data shard
+(`opt.grad_acc(state)` is their sum). State files hold full arrays and load onto any mesh.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jgraph.backward import backward
 from jgraph.errors import JGraphError, TransformError
@@ -64,7 +70,11 @@ from jgraph.training.leaves import (
     split_keys,
 )
 from jgraph.training.losses import NEEDS_LABELS, class_count, loss_function, ndata_of
+from jgraph.training.mesh import MeshPlan, without_data_axis
+from jgraph.training.mesh_steps import MeshSteps
+from jgraph.training.optimizer_io import StateFiles
 from jgraph.training.optimizer_step import optimizer_step
+from jgraph.training.period import WholePeriods
 from jgraph.training.reset import reset
 
 
@@ -73,7 +83,8 @@ class TrainState(NamedTuple):
 
     params: Any  # the model parameters
     opt_state: Any  # the optax state (`tx.init(params)` after a full reset)
-    grad_acc: Any  # gradient accumulators shaped like params; None when the period is 1
+    grad_acc: Any  # gradient accumulators shaped like params (on a mesh: one per data shard,
+    #                stacked on a leading axis); None when the period is 1
     counter: np.ndarray  # np.int32 on the host: the next micro-step's index in the period
 
 
@@ -100,6 +111,7 @@ class _Build:
     plain_grad: Graph | None = None  # the grad graph before `guard_nonfinite`
     period_fn: Callable | None = None
     state_template: Any = field(default=None)
+    steps: MeshSteps | None = None  # on a mesh: the shardings and the jitted steps
 
 
 _SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
@@ -152,11 +164,12 @@ def _with_keys(fn):
     return lambda params, inputs: fn(merge_keys(params, inputs[1]), inputs[0])
 
 
-class Optimizer:
+class Optimizer(StateFiles, WholePeriods):
     """Training context: `init`, `step`, `step_period`, `evaluate`, `reset`, `save`/`load`."""
 
     def __init__(self, fn, tx, loss: str = "mean", period: int = 1, static: bool = True,
-                 remat=None, on_nonfinite: str = "ignore"):
+                 remat=None, on_nonfinite: str = "ignore", mesh=None, data_axis: str = "data",
+                 param_sharding=None):
         if loss not in LOSS_SCALED_BY_PERIOD:
             raise TransformError(f"unknown loss type {loss!r}; known: "
                                  f"{sorted(LOSS_SCALED_BY_PERIOD)}")
@@ -171,6 +184,9 @@ class Optimizer:
         self.static, self.remat = bool(static), remat
         self.on_nonfinite = choice(on_nonfinite, "Optimizer: on_nonfinite", NONFINITE_MODES)
         self.needs_labels = loss in NEEDS_LABELS
+        if mesh is None and param_sharding is not None:
+            raise ArgumentError("Optimizer: param_sharding needs a mesh")
+        self.plan = None if mesh is None else MeshPlan(mesh, data_axis, param_sharding)
         self._builds: dict[tuple, _Build] = {}
         self._last: _Build | None = None
         self._latest: TrainState | None = None
@@ -180,13 +196,20 @@ class Optimizer:
 
     # -- building -------------------------------------------------------------------------------
     def _build(self, params, x, y) -> _Build:
-        model = self.fn
+        model, keys, plan = self.fn, None, self.plan
         if has_keys(params):  # keys in params are not trained: the graphs take them as data
             params, keys = split_keys(params)
-            model, x = _with_keys(self.fn), (x, keys)
+            model = _with_keys(self.fn)
         loss_fn, has_aux = loss_function(model, self.loss)
-        args = (params, x) if y is None else (params, x, y)
+
+        def arguments(x, y):
+            x = x if keys is None else (x, keys)
+            return (params, x) if y is None else (params, x, y)
+
+        args = arguments(x, y)
         fwd = trace(loss_fn, *args, param_argnums=0, has_aux=has_aux)
+        if plan is not None and self.period > 1:
+            return self._mesh_build(fwd, loss_fn, has_aux, arguments, model, keys, x, y)
         grad = _apply_remat(backward(fwd), self.remat)
         if self.period > 1:
             grad = accumulate(grad, self.period, self.loss)
@@ -201,16 +224,58 @@ class Optimizer:
             grad_donate, opt_donate = (nargs,), (0, nargs, nargs + 2)
         else:  # opt: (*args, opt_state)
             grad_donate, opt_donate = (), (0, nargs)
+        grad_donate, opt_donate = (grad_donate, opt_donate) if donate else ((), ())
+        steps = None
+        if plan is None:
+            executables = {
+                "forward": jax.jit(as_function(fwd)),
+                "grad": jax.jit(as_function(graphs["grad"]), donate_argnums=grad_donate),
+                "opt": jax.jit(as_function(graphs["opt"]), donate_argnums=opt_donate),
+                "reset": jax.jit(as_function(graphs["reset"])),
+            }
+        else:  # period 1: the whole micro-batch's graphs, partitioned by XLA
+            steps = self._mesh_steps(params, keys, y)
+            executables = {"forward": steps.forward(fwd),
+                           "grad": steps.whole(graphs["grad"], False),
+                           "opt": steps.whole(graphs["opt"], True, opt_donate),
+                           "reset": steps.reset(graphs["reset"], params)}
+        nclasses = class_count(model, self.loss, params, args[1], y)
+        return _Build(graphs, executables, ndata_of(model, params, args[1]), nclasses, grad,
+                      steps=steps)
+
+    def _mesh_steps(self, params, keys, y) -> MeshSteps:
+        return MeshSteps(self.plan, params, self.tx, keyed=keys is not None,
+                         labelled=y is not None, mode=self.on_nonfinite, period=self.period)
+
+    def _mesh_build(self, fwd, loss_fn, has_aux, arguments, model, keys, x, y) -> _Build:
+        """Period > 1 on a mesh: `grad` is one data shard's micro-step, accumulated over
+        `period x shards` shard-batches; `update` applies the optimizer to their sum."""
+        plan, mode = self.plan, self.on_nonfinite
+        shard = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(  # noqa: E731
+            (np.shape(a)[0] // plan.size,) + tuple(np.shape(a)[1:]), dtype_of(a)), t)
+        args = arguments(shard(x), shard(y))
+        one = without_data_axis(trace(loss_fn, *args, param_argnums=0, has_aux=has_aux),
+                                plan.data_axis)
+        grad = accumulate(_apply_remat(backward(one), self.remat), self.period * plan.size,
+                          self.loss)
+        flag = (lambda g: g) if mode == "ignore" else (lambda g: guard_nonfinite(g))
+        graphs = {"forward": fwd, "grad": flag(grad),
+                  "update": flag(optimizer_step(update_only(grad), self.tx)),
+                  "reset": reset(optimizer_step(grad, self.tx), self.tx)}
+        params = args[0]
+        steps = self._mesh_steps(params, keys, y)
+        nargs = len(args)
+        donate = self.static
         executables = {
-            "forward": jax.jit(as_function(fwd)),
-            "grad": jax.jit(as_function(graphs["grad"]),
-                            donate_argnums=grad_donate if donate else ()),
-            "opt": jax.jit(as_function(graphs["opt"]),
-                           donate_argnums=opt_donate if donate else ()),
-            "reset": jax.jit(as_function(graphs["reset"])),
-        }
-        nclasses = class_count(model, self.loss, params, x, y)
-        return _Build(graphs, executables, ndata_of(model, params, x), nclasses, grad)
+            "forward": steps.forward(fwd),
+            "grad": steps.grad(graphs["grad"], (nargs,) if donate else ()),
+            "opt": steps.opt(graphs["grad"], graphs["update"],
+                             (0, nargs, nargs + 2) if donate else ()),
+            "reset": steps.reset(graphs["reset"], params)}
+        data = arguments(x, y)[1]
+        nclasses = class_count(model, self.loss, params, data, y)
+        return _Build(graphs, executables, ndata_of(model, params, data), nclasses, grad,
+                      steps=steps)
 
     def _for(self, x, y) -> _Build:
         if self.needs_labels and y is None:
@@ -224,6 +289,8 @@ class Optimizer:
             check_leaves(y, "labels")
             if self._params_shape is None:
                 raise JGraphError("Optimizer: call init(params, example_inputs, ...) first")
+            if self.plan is not None:
+                self.plan.batch_size((x, y), "Optimizer")
             if self.static and self._builds:
                 (known,) = self._builds
                 raise JGraphError(f"static Optimizer was built for inputs {known}, got {key}; "
@@ -237,8 +304,10 @@ class Optimizer:
         executables (as `jax.jit` shares by function identity), so each compiles once."""
         params_key = jax.tree.structure(self._params_shape), tuple(
             (s.shape, s.dtype) for s in jax.tree.leaves(self._params_shape))
+        mesh_key = None if self.plan is None else (
+            self.plan.mesh, self.plan.data_axis, self.plan.param_sharding)
         shared_key = (self.fn, self.tx, self.loss, self.period, self.static, self.remat,
-                      self.on_nonfinite, params_key, key)
+                      self.on_nonfinite, params_key, key, mesh_key)
         try:
             build = _SHARED_BUILDS.get(shared_key)
         except TypeError:  # an unhashable part (a remat dict): no sharing
@@ -251,10 +320,14 @@ class Optimizer:
 
     def _counter(self, i: int):
         if i not in self._counters:
-            self._counters[i] = jax.device_put(np.int32(i))
+            self._counters[i] = (jax.device_put(np.int32(i)) if self.plan is None else
+                                 self.plan.put(np.int32(i), self.plan.replicated))
         return self._counters[i]
 
     def _data(self, x, y, keys=None):
+        if self.plan is not None:  # the batch as global arrays, split along the data axis
+            x = self.plan.put_batch(x, "Optimizer: inputs")
+            y = self.plan.put_batch(y, "Optimizer: labels") if self.needs_labels else y
         x = x if keys is None else (x, keys)
         return (x, y) if self.needs_labels else (x,)
 
@@ -320,13 +393,21 @@ class Optimizer:
         build = self._for(example_inputs, example_labels)
         lead = jax.tree.leaves(example_inputs)[0]
         self.batch_size = int(np.shape(lead)[0]) if np.ndim(lead) else 1
+        params = fresh_copy(params) if self.plan is None else self._place(params, build)
         fresh = build.executables["reset"](self._split(params)[0])
-        state = TrainState(fresh_copy(params), fresh["opt_state"], fresh.get("grad_acc"),
-                           np.int32(0))
+        state = TrainState(params, fresh["opt_state"], fresh.get("grad_acc"), np.int32(0))
         build.state_template = jax.tree.map(
             lambda a: a if isinstance(a, np.ndarray | np.generic) else jax.ShapeDtypeStruct(
                 a.shape, a.dtype), state)
         return self._record(state)
+
+    def _place(self, params, build: _Build):
+        """Fresh global arrays of `params` on the mesh (keys replicated)."""
+        trainable, keys = split_keys(params) if self._keyed else (params, None)
+        trainable = self.plan.put_tree(trainable, build.steps.params)
+        if keys is not None:
+            keys = jax.tree.map(lambda k: self.plan.put(k, self.plan.replicated), keys)
+        return self._merge(trainable, keys)
 
     def step(self, state: TrainState, inputs, labels=None):
         """One backward micro-step; on the last micro-step of a period also the optimizer step."""
@@ -336,7 +417,8 @@ class Optimizer:
         trainable, keys = self._split(state.params)
         ex, data = build.executables, self._data(inputs, labels, keys)
         name = "opt" if i + 1 == self.period else "grad"
-        guarded = build.graphs[name].info.get("finite_output") is not None
+        # "raise" checks every micro-step; "skip" the optimizer steps only
+        guarded = self.on_nonfinite == "raise" or (self.on_nonfinite == "skip" and name == "opt")
         raising = guarded and self.on_nonfinite == "raise"
         with held_sigint():  # from the donating call until the new state is recorded
             if self.period == 1:
@@ -399,12 +481,16 @@ class Optimizer:
         return self._record(new._replace(opt_state=fresh["opt_state"]) if optimizer else new)
 
     def grad_acc(self, state: TrainState):
-        """The accumulated gradients (None when the period is 1: there are no accumulators)."""
-        return state.grad_acc
+        """The accumulated gradients (None when the period is 1: there are no accumulators); on
+        a mesh, the sum of the per-device accumulators."""
+        if self.plan is None or state.grad_acc is None:
+            return state.grad_acc
+        return self._last.steps.summed(state.grad_acc)
 
     @property
     def graphs(self) -> dict[str, Graph]:
-        """The graphs of the latest build: `forward`, `grad`, `opt` and `reset`."""
+        """The graphs of the latest build: `forward`, `grad`, `opt` and `reset` (on a mesh with
+        period > 1: `forward`, `grad` of one data shard, `update` and `reset`)."""
         if self._last is None:
             raise JGraphError("Optimizer: no graphs yet; call init first")
         return dict(self._last.graphs)
@@ -423,140 +509,3 @@ class Optimizer:
         loss, aux = value if isinstance(value, tuple) else (value, (None, None))
         return StepOutput(loss, aux[0], aux[1], build.ndata, period,
                           LOSS_SCALED_BY_PERIOD[self.loss], finite)
-
-    # -- a whole period in one call ---------------------------------------------------------------
-    def step_period(self, state: TrainState, inputs_stack, labels_stack=None):
-        """Run the `period` micro-steps of one period (stacked on axis 0) in one compiled call."""
-        if self._micro_step(state, "Optimizer.step_period") != 0:
-            raise JGraphError(f"step_period must start a period; the state is at micro-step "
-                              f"{int(state.counter)} of {self.period}")
-        lead = {np.shape(a)[0] for a in jax.tree.leaves((inputs_stack, labels_stack))}
-        if lead != {self.period}:
-            raise JGraphError(f"step_period needs inputs stacked {self.period} deep on axis 0, "
-                              f"got leading sizes {sorted(lead)}")
-        run = self.period_function(inputs_stack, labels_stack)
-        ys = labels_stack if self.needs_labels else None
-        self._check_labels(self._last, ys)
-        with held_sigint():
-            trainable, keys = self._split(state.params)
-            params, acc, opt_state, value, finite = self._run(
-                run, state, trainable, state.grad_acc, state.opt_state, inputs_stack, ys, keys)
-            new = TrainState(self._merge(params, keys), opt_state, acc, np.int32(0))
-            self._record(new)
-            if self.on_nonfinite == "raise":
-                finite = bool(finite)
-        if self.on_nonfinite == "raise":
-            self._raise_if_nonfinite(finite, "the period run by step_period")
-        return new, self._output(value, self._last, self.period,
-                                 None if self.on_nonfinite == "ignore" else finite)
-
-    def period_function(self, inputs_stack, labels_stack=None):
-        """The jitted `(params, grad_acc, opt_state, inputs_stack, labels_stack[, keys]) ->
-        (params, grad_acc, opt_state, stacked outputs, finite)` behind `step_period` (`.lower(...)`
-        it to read XLA's memory figures). All three state parts are donated (static mode); the
-        outputs come in the order of the inputs, because jax pairs donated buffers with outputs of
-        the same shape in order: any other order makes XLA copy every state buffer into its
-        place."""
-        index = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731 - one example batch
-        build = self._for(index(inputs_stack), None if labels_stack is None else
-                          index(labels_stack))
-        if build.period_fn is None:
-            build.period_fn = self._period_function(build)
-        return build.period_fn
-
-    def _period_function(self, build: _Build):
-        period, labelled, mode = self.period, self.needs_labels, self.on_nonfinite
-        if period == 1:
-            opt_f = as_function(build.graphs["opt"])
-        else:  # scan the grad graph over all micro-batches, then apply the update alone
-            grad_f = as_function(build.plain_grad)  # unguarded: the update checks the period
-            build.graphs["update"] = _guard(optimizer_step(update_only(build.plain_grad),
-                                                           self.tx), mode)
-            update_f = as_function(build.graphs["update"])
-
-        def data(xs, ys, i, keys):
-            pick = lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-            x = jax.tree.map(pick, xs)
-            x = x if keys is None else (x, keys)
-            return (x,) + ((jax.tree.map(pick, ys),) if labelled else ())
-
-        guarded = mode != "ignore"
-
-        def run(params, acc, opt_state, xs, ys, keys=None):
-            if period == 1:
-                out = opt_f(params, *data(xs, ys, 0, keys), opt_state)
-                value, _, params, opt_state = out[:4]
-                finite = out[-1] if guarded else jnp.bool_(True)
-                return params, acc, opt_state, jax.tree.map(lambda v: v[None], value), finite
-
-            def body(carry, batch):
-                acc, counter = carry
-                if keys is not None:
-                    batch = ((batch[0], keys),) + tuple(batch[1:])
-                value, acc, counter = grad_f(params, *batch, acc, counter)
-                return (acc, counter), value
-
-            batches = (xs, ys) if labelled else (xs,)
-            (acc, _), values = lax.scan(body, (acc, jnp.int32(0)), batches)
-            out = update_f(params, acc, opt_state)
-            acc, params, opt_state = out[:3]
-            finite = out[-1] if guarded else jnp.bool_(True)
-            return params, acc, opt_state, values, finite
-
-        return jax.jit(run, donate_argnums=(0, 1, 2) if self.static else ())
-
-    # -- saving -----------------------------------------------------------------------------------
-    def _template(self, what: str):
-        if self._last is None or self._last.state_template is None:
-            raise JGraphError(f"Optimizer.{what}: call init(params, example_inputs) first, so "
-                              f"the optimizer knows the state's structure")
-        return self._last.state_template
-
-    def settings(self) -> dict:
-        """The settings a state file records and `load` requires to match."""
-        return {"format": "jgraph.Optimizer", "loss": self.loss, "period": self.period}
-
-    def checked_state(self, state, what: str = "Optimizer.save") -> TrainState:
-        """`state` if it is a state of this Optimizer (structure, shapes, dtypes, counter in
-        range), with its counter as `np.int32`; `ArgumentError` naming the leaf otherwise."""
-        template = self._template(what.split(".")[-1])
-        if jax.tree.structure(state) != jax.tree.structure(template) or not isinstance(
-                state, TrainState):
-            raise ArgumentError(f"{what}: not a state of this Optimizer: its structure is "
-                                f"{jax.tree.structure(state)}, expected "
-                                f"{jax.tree.structure(template)}")
-        state = state._replace(counter=np.int32(self._micro_step(state, what)))
-        for (path, leaf), like in zip(jax.tree_util.tree_flatten_with_path(state)[0],
-                                      jax.tree.leaves(template), strict=True):
-            if tuple(np.shape(leaf)) != tuple(like.shape) or dtype_of(leaf) != like.dtype:
-                raise ArgumentError(f"{what}: state{jax.tree_util.keystr(path)} is "
-                                    f"{dtype_of(leaf)}{list(np.shape(leaf))}, expected "
-                                    f"{like.dtype}{list(like.shape)}")
-        return state
-
-    def save(self, state: TrainState, path, dataset=None, extra=None) -> None:
-        """Write the whole training state (and a dataset's order) atomically to `path`.
-
-        The state is checked first (a donated, foreign or malformed state raises
-        `ArgumentError` and writes nothing); `extra` is any JSON-serialisable value."""
-        from jgraph.training.state_io import save_state
-
-        save_state(path, self.checked_state(state), dataset=dataset, extra=extra,
-                   meta=self.settings())
-
-    def load(self, path, dataset=None, extra: bool = False):
-        """Read a state written by `save` (and set `dataset`'s order); with `extra=True`, return
-        `(state, extra)`. Everything read is checked (see `state_io`); a bad file raises
-        `StateFileError` naming the field and changes nothing."""
-        from jgraph.training.state_io import StateFileError, read_state
-
-        template = self._template("load")
-        nshards = None if dataset is None else dataset.nshards
-        state, permutation, header = read_state(path, template, nshards, meta=self.settings())
-        if not 0 <= int(state.counter) < self.period:
-            raise StateFileError(f"{path}: field counter is {int(state.counter)}, outside "
-                                 f"[0, {self.period}) for period {self.period}")
-        if dataset is not None:
-            dataset.permutation = permutation
-        self._record(state)
-        return (state, header.get("extra")) if extra else state

@@ -286,11 +286,11 @@ def _describe(a) -> str:
     return f"{a.dtype}{list(np.shape(a))}"
 
 
-def read_state(path, template, nshards: int | None = None, meta=None):
+def read_state(path, template, nshards: int | None = None, meta=None, on_host: bool = False):
     """`(state, permutation or None, header)`: a state shaped like `template` (a pytree of arrays
     or ShapeDtypeStructs; NumPy leaves stay on the host), read and checked; nothing is mutated.
     With `nshards`, the file must hold a dataset order of that many shards; without, a stored
-    order is ignored."""
+    order is ignored. With `on_host`, every leaf stays on the host (the caller places them)."""
     header, arrays = read_state_file(path)
     check_meta(header, meta or {}, path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
@@ -310,7 +310,7 @@ def read_state(path, template, nshards: int | None = None, meta=None):
         if arr.shape != tuple(np.shape(like)) or arr.dtype != like.dtype:
             raise StateFileError(f"{path}: leaf {name} is {_describe(arr)}, expected "
                                  f"{_describe(like)}")
-        if isinstance(like, np.ndarray | np.generic):  # a host leaf (the counter)
+        if on_host or isinstance(like, np.ndarray | np.generic):  # a host leaf (the counter)
             leaves.append(arr.copy()[()] if arr.ndim == 0 else arr.copy())
         else:
             leaves.append(jax.device_put(arr))

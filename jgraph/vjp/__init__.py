@@ -60,7 +60,6 @@ NO_VJP_RULE = {
                      "windows (reduce_window_sum/max/min) have rules",
     "select_and_scatter": "XLA's select-and-scatter with a user computation (JAX has no "
                           "VJP for it either)",
-    "sharding_constraint": "sharding annotations get their rule with data parallelism",
     "while": "a loop with a data-dependent trip count has no reverse-mode derivative (as in "
              "JAX); use lax.scan or lax.fori_loop with static bounds",
 }

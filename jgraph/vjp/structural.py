@@ -107,3 +107,13 @@ def _unstack_vjp(cts, ins, outs, *, axis):
 
 
 defvjp("unstack", _unstack_vjp)
+
+
+# -- sharding_constraint: a layout annotation, linear; the cotangent gets the same constraint ----
+def _sharding_constraint_vjp(ct, x, **params):
+    from jgraph.ops import lowerings  # the op binds jax's own primitive with the traced params
+
+    return lowerings["sharding_constraint"](ct, **params)[0]
+
+
+deflinear("sharding_constraint", _sharding_constraint_vjp)
