@@ -79,6 +79,14 @@ def test_accumulate_scales_the_loss_seed_not_the_gradients(loss, scale):
     assert_tree_close(new_acc, want, rtol=1e-6, atol=1e-8)
 
 
+def test_optimizer_graphs_give_labels_their_role():
+    opt = jg.Optimizer(mlp, SGD, loss="cross_entropy", period=2)
+    opt.init(init_params(), X[:8], Y[:8])
+    for name in ("forward", "grad", "opt"):
+        roles = opt.graphs[name].input_roles
+        assert roles.count("label") == 1 and "@label" in str(opt.graphs[name]), name
+
+
 def test_transform_errors_name_the_problem():
     p = init_params()
     g = jg.trace(lambda p, x: jnp.mean(mlp(p, x)), p, X[:8], param_argnums=0)

@@ -56,3 +56,13 @@ def gradient_outputs(graph: Graph, what: str) -> tuple[list[int], str]:
         if pos:
             return pos, role
     raise TransformError(f"{what}: the graph has no gradient outputs; apply jg.backward first")
+
+
+def with_labels(graph: Graph, argnum: int) -> Graph:
+    """`graph` whose inputs from call argument `argnum` have the role `label` (ggml-opt's labels:
+    data the loss compares predictions with)."""
+    sizes = [t.num_leaves for t in call_parts(graph.in_tree, "with_labels")]
+    start = sum(sizes[:argnum])
+    roles = list(graph.input_roles)
+    roles[start:start + sizes[argnum]] = ["label"] * sizes[argnum]
+    return graph.replace(input_roles=tuple(roles))

@@ -56,7 +56,7 @@ from jgraph.training.arguments import (
     integer,
     positive_int,
 )
-from jgraph.training.graphs import grad_params, grads_tree, tuple_tree
+from jgraph.training.graphs import grad_params, grads_tree, tuple_tree, with_labels
 from jgraph.training.guard import STATE_ROLES, guard_nonfinite
 from jgraph.training.interrupts import held_sigint
 from jgraph.training.leaves import (
@@ -133,6 +133,11 @@ def _apply_remat(graph: Graph, remat):
     return remat_transform(graph, policy=remat)
 
 
+def _labelled(graph: Graph, labels) -> Graph:
+    """The loss graph with its third argument's inputs in the role `label` (when it has labels)."""
+    return graph if labels is None else with_labels(graph, 2)
+
+
 def update_only(grad_graph: Graph) -> Graph:
     """`(params, acc) -> acc`: the accumulated gradient alone, for `optimizer_step` to update."""
     params = tuple(Var(p.aval) for p in grad_params(grad_graph))
@@ -207,7 +212,7 @@ class Optimizer(StateFiles, WholePeriods):
             return (params, x) if y is None else (params, x, y)
 
         args = arguments(x, y)
-        fwd = trace(loss_fn, *args, param_argnums=0, has_aux=has_aux)
+        fwd = _labelled(trace(loss_fn, *args, param_argnums=0, has_aux=has_aux), y)
         if plan is not None and self.period > 1:
             return self._mesh_build(fwd, loss_fn, has_aux, arguments, model, keys, x, y)
         grad = _apply_remat(backward(fwd), self.remat)
@@ -254,8 +259,8 @@ class Optimizer(StateFiles, WholePeriods):
         shard = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(  # noqa: E731
             (np.shape(a)[0] // plan.size,) + tuple(np.shape(a)[1:]), dtype_of(a)), t)
         args = arguments(shard(x), shard(y))
-        one = without_data_axis(trace(loss_fn, *args, param_argnums=0, has_aux=has_aux),
-                                plan.data_axis)
+        one = without_data_axis(_labelled(trace(loss_fn, *args, param_argnums=0,
+                                                has_aux=has_aux), y), plan.data_axis)
         grad = accumulate(_apply_remat(backward(one), self.remat), self.period * plan.size,
                           self.loss)
         flag = (lambda g: g) if mode == "ignore" else (lambda g: guard_nonfinite(g))
