@@ -207,8 +207,10 @@ def _run(args) -> int:
               f"{100 * acc_unc:.2f} %")
 
     print("\nmemory of one micro-step: grad = forward + backward + accumulate, opt = grad + adam")
-    print("(jgraph: peak of live values on the schedule, outputs included; XLA: temp of the "
-          "donated step)")
+    print("(jgraph estimate: peak bytes of intermediate values alive at once on the graph's "
+          "schedule,\n the graph's inputs and outputs not counted, as XLA's temp does not count "
+          "them;\n XLA temp: temp_size_in_bytes of the compiled step with params and state "
+          "donated)")
     print(f"  {'graph':5s} {'micro-batch':>11s} {'remat':>6s} {'jgraph estimate':>16s} "
           f"{'XLA temp':>13s}")
     big = min(32 * args.physical_batch_size, ds.ndata)  # a micro-batch the data can fill
