@@ -159,13 +159,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch-size {args.batch_size} leaves no training batch: at most {most} "
                      f"of the {ndata} digits (20% are held out)")
     if not args.no_plot:
+        if not args.plot.resolve().parent.is_dir():
+            parser.error(f"--plot {args.plot}: folder {args.plot.resolve().parent} does not "
+                         f"exist")
         if importlib.util.find_spec("matplotlib") is None:
             print("note: matplotlib is not installed: no plot (pip install 'jgraph[demo]')",
                   file=sys.stderr)
             args.no_plot = True
-        elif not args.plot.resolve().parent.is_dir():
-            parser.error(f"--plot {args.plot}: folder {args.plot.resolve().parent} does not "
-                         f"exist")
     return args
 
 
