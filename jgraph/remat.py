@@ -45,9 +45,9 @@ def is_forward(eqn: Eqn) -> bool:
 def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
     `budget=` (bytes) plans regions itself instead (see `remat_under_budget`)."""
-    if not any("backward" in e.tags for e in graph.eqns):
+    if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
-                             "first (this graph has no eqn tagged 'backward')")
+                             "first (this graph has no grad output and no eqn tagged 'backward')")
     if budget is not None:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")

@@ -111,8 +111,10 @@ def first_micro_step(graph: Graph) -> Graph:
         if eqn.op == "select_n" and values[0] is not None:  # a known predicate picks a case
             subst[eqn.outputs[0]] = inputs[1 + int(values[0])]
             continue
-        if (all(v is not None for v in values) and len(eqn.outputs) == 1
-                and eqn.outputs[0].aval.shape == ()):  # fold a scalar computation
+        if (all(v is not None and a.aval.shape == () for v, a in zip(values, inputs, strict=True))
+                and len(eqn.outputs) == 1 and eqn.outputs[0].aval.shape == ()):
+            # fold a computation on scalars (a value known one value everywhere is not a scalar:
+            # summing a broadcast of 1.0 does not give 1.0)
             out = eqn.outputs[0]
             value = np.asarray(ops.lowerings[eqn.op](*values, **eqn.params)[0], out.aval.dtype)
             subst[out] = Literal(value, out.aval)
