@@ -55,7 +55,7 @@ def remat_variants(gb):
     return out
 
 
-# -- every transform passes check, never mutates its input; printing is deterministic ---------------
+# -- every transform passes check, never mutates its input; printing is deterministic -----------
 def _training_transforms(gb):
     """Every training transform applicable to a joint graph, each on its own input."""
     yield "dce", dce, gb

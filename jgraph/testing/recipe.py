@@ -99,6 +99,9 @@ class Recipe:
             depth, parent = depth + 1, self.spans[parent].parent
         return depth
 
+    def _repr_pretty_(self, printer, cycle):  # hypothesis's (and IPython's) pretty printer
+        printer.text(str(self))
+
     def __str__(self):
         params = self.param_argnums
         params = (params,) if isinstance(params, int) else params
