@@ -6,7 +6,8 @@ with `step k (family)` as its source (so `check` and transform errors name the s
 in the roles, the pytree structures, `param_argnums` and `has_aux` as `jg.trace` would.
 `Program(recipe)` is the same computation as a plain JAX function: spans become `jax.checkpoint`
 calls (with their policies) and names `checkpoint_name`, so tracing it exercises the tracer too.
-`example_args(recipe)`: floats uniform in [-1, 1], ints in [0, INT_HIGH), random booleans.
+`example_args(recipe)`: floats uniform in [-1, 1] (Python floats for weakly typed scalars), ints
+in [0, INT_HIGH), random booleans.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def example_args(recipe: Recipe, seed: int | None = None) -> tuple:
         slot = recipe.slots[slot_index]
         dtype = dtype_of(recipe, slot.kind)
         if slot.kind == FLOAT:
-            return rng.uniform(-1.0, 1.0, slot.shape).astype(dtype)
+            value = rng.uniform(-1.0, 1.0, slot.shape).astype(dtype)
+            return float(value) if slot.weak else value
         if slot.kind == INT:
             return rng.integers(0, INT_HIGH, slot.shape).astype(dtype)
         return rng.random(slot.shape) < 0.5
@@ -80,8 +82,9 @@ def _roles(recipe: Recipe) -> tuple[str, ...]:
 
 def to_graph(recipe: Recipe) -> Graph:
     """The recipe as a forward graph, built without the tracer."""
-    inputs = tuple(Var(ShapedArray(recipe.slots[k].shape, dtype_of(recipe, recipe.slots[k].kind)))
-                   for k in range(recipe.leaves()))
+    slots = recipe.slots[:recipe.leaves()]
+    inputs = tuple(Var(ShapedArray(s.shape, dtype_of(recipe, s.kind), weak_type=s.weak))
+                   for s in slots)
     env = dict(enumerate(inputs))
     b = Builder()
     for i, step in enumerate(recipe.steps):

@@ -30,6 +30,7 @@ class Slot:
     shape: tuple[int, ...]  # the value's shape
     kind: str  # FLOAT, INT or BOOL
     bound: float  # |value| <= bound for arguments in [-1, 1] (ints in [0, INT_HIGH))
+    weak: bool = False  # an argument passed as a Python float (weakly typed)
 
     @property
     def size(self) -> int:
@@ -39,6 +40,8 @@ class Slot:
         return n
 
     def __str__(self):
+        if self.weak:
+            return "float (a Python scalar)"
         return f"{_KIND_LETTER[self.kind]}[{','.join(map(str, self.shape))}]"
 
 

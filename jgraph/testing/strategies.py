@@ -9,6 +9,9 @@ and the seed of the example inputs. Shrinking gives fewer arguments and steps, e
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 from hypothesis import strategies as st
 
@@ -83,7 +86,9 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, families=Non
         c = Chooser(draw, _float_dtype(dtype))
         arguments, slots, param_argnums = _draw_arguments(c, integers)
         steps = []
-        for _ in range(c.integer(min_steps, max_steps)):
+        for _ in range(2 * max_steps):  # after min_steps, each step goes on with p = 7/8
+            if len(steps) == max_steps or (len(steps) >= min_steps and c.integer(0, 7) == 0):
+                break
             step = _draw_step(c, groups, slots, names)
             if step is not None:
                 steps.append(step)
@@ -132,7 +137,9 @@ def _draw_arguments(c: Chooser, integers: bool):
     def leaf(is_param):
         kind = FLOAT if is_param or not integers else c.choice((FLOAT, FLOAT, INT, BOOL))
         bound = {FLOAT: 1.0, INT: float(INT_HIGH), BOOL: 1.0}[kind]
-        slots.append(Slot(_draw_shape(c), kind, bound))
+        shape = _draw_shape(c)
+        weak = kind == FLOAT and shape == () and c.integer(0, 2) == 0
+        slots.append(Slot(shape, kind, bound, weak))
         return len(slots) - 1
 
     for i in range(n_args):
@@ -158,23 +165,31 @@ def _draw_step(c: Chooser, groups, slots, names) -> Step | None:
     else:
         return None
     static = tuple(sorted(proposal.static.items()))
-    specs = [jax.ShapeDtypeStruct(slots[j].shape, dtype_of_kind(c.dtype, slots[j].kind))
-             for j in proposal.operands]
-    try:
-        out = jax.eval_shape(lambda *xs: family.apply(*xs, **dict(static)), *specs)
-    except (TypeError, ValueError):  # a proposal JAX rejects: drawn again as another step
-        return None
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    if any(o.size > MAX_SIZE or o.ndim > MAX_RANK for o in outs):
-        return None
+    outs = _out_avals(family.apply, static, tuple(
+        (slots[j].shape, dtype_of_kind(c.dtype, slots[j].kind)) for j in proposal.operands))
+    if outs is None or any(math.prod(shape) > MAX_SIZE or len(shape) > MAX_RANK
+                           for shape, _ in outs):
+        return None  # a proposal JAX rejects, or too big: the step is drawn again
     first = len(slots)
-    for o in outs:
-        slots.append(Slot(tuple(o.shape), _kind(o.dtype), proposal.bound))
+    for shape, kind in outs:
+        slots.append(Slot(shape, kind, proposal.bound))
     name = None
-    if names and _kind(outs[0].dtype) == FLOAT and c.integer(0, 3) == 0:
+    if names and outs[0][1] == FLOAT and c.integer(0, 3) == 0:
         name = c.choice(NAMES)
     return Step(family.name, tuple(proposal.operands), static,
                 tuple(range(first, len(slots))), name)
+
+
+@functools.lru_cache(maxsize=65536)
+def _out_avals(apply, static, specs):
+    """(shape, kind) of each output of `apply` on operands of these (shape, dtype), or None."""
+    try:
+        out = jax.eval_shape(lambda *xs: apply(*xs, **dict(static)),
+                             *(jax.ShapeDtypeStruct(s, d) for s, d in specs))
+    except (TypeError, ValueError):
+        return None
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return tuple((tuple(o.shape), _kind(o.dtype)) for o in outs)
 
 
 def dtype_of_kind(float_dtype: str, kind: str):
