@@ -35,6 +35,7 @@ from properties import (
 
 import jgraph as jg
 from jgraph.errors import TransformError
+from jgraph.ir import Var
 from jgraph.passes import cse, dce
 from jgraph.testing.build import POLICIES, policy_of, to_graph
 
@@ -177,6 +178,23 @@ def test_everything_saveable_is_no_remat(drawn):
     gr = jg.remat(gb, policy=jg.policies.everything_saveable)
     assert not any("recompute" in e.tags for e in gr.eqns)
     assert jg.memory(gr).peak_bytes == jg.memory(gb).peak_bytes
+
+
+@examples(40)
+@given(jg.testing.graphs(regions=False), st.sampled_from(ALL_POLICIES))
+def test_remat_saves_only_what_the_policy_saves(drawn, policy):
+    # DESIGN 4.2: a region keeps its inputs, params, outputs and what its policy saves; with
+    # policy= the region is the whole forward, so every other value the backward reads is a copy.
+    g, _ = drawn
+    gr = jg.remat(jg.backward(g), policy=policy)
+    producer = {v: e for e in gr.eqns if not {"backward", "recompute"} & e.tags
+                for v in e.outputs}
+    outputs = {a for a in gr.outputs if isinstance(a, Var)}
+    for eqn in gr.eqns:
+        if {"backward", "recompute"} & eqn.tags:
+            for a in eqn.inputs:
+                if isinstance(a, Var) and a in producer and a not in outputs:
+                    assert jg.policies.saves(policy, producer[a]), (str(eqn), str(producer[a]))
 
 
 def _robust_dot(eqn) -> bool:

@@ -164,15 +164,18 @@ class Chooser:
         return self._draw(st.sampled_from(tuple(options)))
 
     def subset(self, options: Sequence, min_size: int = 0, max_size: int | None = None) -> tuple:
-        """Distinct elements of `options`, in their order in `options`."""
+        """Distinct elements of `options`, in their order in `options` (each taken on a coin,
+        the first ones added up to `min_size`, cut at `max_size`; shrinks towards the first)."""
         from hypothesis import strategies as st
 
         options = tuple(options)
-        if not options:
-            return ()
-        picked = self._draw(st.lists(st.integers(0, len(options) - 1), unique=True,
-                                     min_size=min_size, max_size=max_size or len(options)))
-        return tuple(options[k] for k in sorted(picked))
+        taken = [self._draw(st.booleans()) for _ in options]
+        for k in range(len(options)):
+            if sum(taken) >= min_size:
+                break
+            taken[k] = True
+        picked = [o for o, t in zip(options, taken, strict=True) if t]
+        return tuple(picked[:len(options) if max_size is None else max_size])
 
     def permutation(self, n: int) -> tuple[int, ...]:
         from hypothesis import strategies as st

@@ -138,7 +138,7 @@ def _draw_arguments(c: Chooser, integers: bool):
         kind = FLOAT if is_param or not integers else c.choice((FLOAT, FLOAT, INT, BOOL))
         bound = {FLOAT: 1.0, INT: float(INT_HIGH), BOOL: 1.0}[kind]
         shape = _draw_shape(c)
-        weak = kind == FLOAT and shape == () and c.integer(0, 2) == 0
+        weak = kind == FLOAT and shape == () and c.integer(0, 2) == 2
         slots.append(Slot(shape, kind, bound, weak))
         return len(slots) - 1
 
@@ -174,7 +174,7 @@ def _draw_step(c: Chooser, groups, slots, names) -> Step | None:
     for shape, kind in outs:
         slots.append(Slot(shape, kind, proposal.bound))
     name = None
-    if names and outs[0][1] == FLOAT and c.integer(0, 3) == 0:
+    if names and outs[0][1] == FLOAT and c.integer(0, 3) == 3:
         name = c.choice(NAMES)
     return Step(family.name, tuple(proposal.operands), static,
                 tuple(range(first, len(slots))), name)
@@ -205,7 +205,7 @@ def _kind(dtype) -> str:
 def _draw_spans(c: Chooser, lo: int, hi: int, parent, depth: int, spans: list) -> list:
     """Disjoint checkpoint spans in steps [lo, hi), each possibly holding nested ones."""
     at = lo
-    while at < hi and depth < 3 and c.integer(0, 2) == 0:
+    while at < hi and depth < 3 and c.integer(0, 2) == 2:
         start = c.integer(at, hi - 1)
         stop = c.integer(start + 1, hi)
         policy = c.choice((None,) + tuple(POLICIES))
