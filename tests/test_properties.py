@@ -76,7 +76,7 @@ def _training_transforms(gb):
     yield "first_micro_step(optimizer_step)", jg.first_micro_step, go
 
 
-@examples(60)
+@examples(40)
 @given(jg.testing.graphs())
 def test_transforms_pass_check_and_leave_their_input_alone(drawn):
     g, _ = drawn
@@ -236,12 +236,10 @@ def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(drawn, policy):
 def _evaluate_and_compile_agree(drawn):
     g, args = drawn
     gb = jg.backward(g)
-    tol = tolerance(g.inputs[0].aval.dtype)
-    assert_close(jg.compile(g)(*args), jg.evaluate(g, *args), tol)
-    assert_close(jg.compile(gb)(*args), jg.evaluate(gb, *args), tol)
+    assert_close(jg.compile(gb)(*args), jg.evaluate(gb, *args), tolerance(g.inputs[0].aval.dtype))
 
 
-@examples(15)
+@examples(10)
 @given(jg.testing.graphs())
 def test_evaluate_and_compile_agree(drawn):
     _evaluate_and_compile_agree(drawn)

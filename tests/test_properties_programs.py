@@ -48,14 +48,14 @@ def _traced_equals_jax(drawn):
     assert_close(jg.compile(jg.backward(g))(*args), want, tol)
 
 
-@examples(15)
+@examples(10)
 @given(jg.testing.programs())
 def test_traced_program_and_its_backward_equal_jax(drawn):
     _traced_equals_jax(drawn)
 
 
 @pytest.mark.f64
-@examples(8)
+@examples(5)
 @given(jg.testing.programs())
 def test_traced_program_and_its_backward_equal_jax_f64(drawn):
     _traced_equals_jax(drawn)

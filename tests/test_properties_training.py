@@ -126,14 +126,14 @@ def _optimizer_step_is_optax(drawn, name):
     assert_close(new_state, want_state, tol)
 
 
-@examples(15)
+@examples(8)
 @given(jg.testing.graphs(), st.sampled_from(sorted(OPTIMIZERS)))
 def test_optimizer_step_equals_optax_by_hand(drawn, name):
     _optimizer_step_is_optax(drawn, name)
 
 
 @pytest.mark.f64
-@examples(5)
+@examples(3)
 @given(jg.testing.graphs(), st.sampled_from(sorted(OPTIMIZERS)))
 def test_optimizer_step_equals_optax_by_hand_f64(drawn, name):
     _optimizer_step_is_optax(drawn, name)

@@ -52,7 +52,7 @@ def _drawn(n: int = 400) -> tuple:
     return tuple(out)
 
 
-@examples(30)
+@examples(15)
 @given(jg.testing.graphs())
 def test_drawn_graphs_are_well_formed_and_typed_by_x64(drawn):
     g, args = drawn
