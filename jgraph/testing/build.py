@@ -22,7 +22,7 @@ from jgraph import policies
 from jgraph.builder import Builder
 from jgraph.ir import Graph, Region, Var
 from jgraph.testing.families import FAMILIES, loss_of, named
-from jgraph.testing.recipe import BOOL, FLOAT, INT, INT_HIGH, Recipe
+from jgraph.testing.recipe import FLOAT, INT, INT_HIGH, Recipe, dtype_of
 
 # Policy names a span may carry, and how each becomes a policy given the span's names.
 POLICIES = {
@@ -42,17 +42,13 @@ def policy_of(name: str | None, names=()):
     return None if name is None else POLICIES[name](tuple(names))
 
 
-def dtype_of(recipe: Recipe, kind: str) -> np.dtype:
-    return np.dtype({FLOAT: recipe.dtype, INT: "int32", BOOL: "bool"}[kind])
-
-
 def example_args(recipe: Recipe, seed: int | None = None) -> tuple:
     """Example call arguments of the recipe (numpy values; `seed` overrides the recipe's)."""
     rng = np.random.default_rng(recipe.seed if seed is None else seed)
 
     def value(slot_index):
         slot = recipe.slots[slot_index]
-        dtype = dtype_of(recipe, slot.kind)
+        dtype = dtype_of(recipe.dtype, slot.kind)
         if slot.kind == FLOAT:
             value = rng.uniform(-1.0, 1.0, slot.shape).astype(dtype)
             return float(value) if slot.weak else value
@@ -83,7 +79,7 @@ def _roles(recipe: Recipe) -> tuple[str, ...]:
 def to_graph(recipe: Recipe) -> Graph:
     """The recipe as a forward graph, built without the tracer."""
     slots = recipe.slots[:recipe.leaves()]
-    inputs = tuple(Var(ShapedArray(s.shape, dtype_of(recipe, s.kind), weak_type=s.weak))
+    inputs = tuple(Var(ShapedArray(s.shape, dtype_of(recipe.dtype, s.kind), weak_type=s.weak))
                    for s in slots)
     env = dict(enumerate(inputs))
     b = Builder()

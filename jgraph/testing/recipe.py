@@ -20,9 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 FLOAT, INT, BOOL = "float", "int", "bool"
 INT_HIGH = 4  # integer arguments are drawn in [0, INT_HIGH)
 _KIND_LETTER = {FLOAT: "f", INT: "i", BOOL: "b"}
+
+
+def dtype_of(float_dtype: str, kind: str) -> np.dtype:
+    """The dtype of a value of `kind` in a recipe whose floats are `float_dtype`."""
+    return np.dtype({FLOAT: float_dtype, INT: "int32", BOOL: "bool"}[kind])
 
 
 @dataclass(frozen=True)

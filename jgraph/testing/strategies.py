@@ -3,8 +3,9 @@
 Drawing order (what shrinking simplifies first): the call arguments (how many, leaf or dict,
 shapes, kinds, which are params), the steps (each an op family applied to earlier values),
 checkpoint spans over the steps with their policies and names, the loss terms, the aux outputs,
-and the seed of the example inputs. Shrinking gives fewer arguments and steps, earlier families
-(`FAMILIES` order), earlier operands, smaller shapes and no regions.
+and the seed of the example inputs. Shrinking gives fewer arguments and steps, earlier groups and
+families (`GROUPS` order, then registration order), the latest operands, smaller shapes, and no
+regions, names or Python-scalar arguments.
 """
 
 from __future__ import annotations
@@ -15,9 +16,21 @@ import math
 import jax
 from hypothesis import strategies as st
 
+from jgraph.errors import JGraphError
 from jgraph.testing.build import POLICIES, Program, example_args, to_graph
 from jgraph.testing.families import FAMILIES, GROUPS, MAX_RANK, MAX_SIZE
-from jgraph.testing.recipe import BOOL, FLOAT, INT, INT_HIGH, Chooser, Recipe, Slot, Span, Step
+from jgraph.testing.recipe import (
+    BOOL,
+    FLOAT,
+    INT,
+    INT_HIGH,
+    Chooser,
+    Recipe,
+    Slot,
+    Span,
+    Step,
+    dtype_of,
+)
 
 NAMES = ("n0", "n1", "n2")  # names given by `checkpoint_name` and matched by name policies
 
@@ -62,8 +75,6 @@ def _families(families, loops, exclude):
     names = list(FAMILIES) if families is None else list(families)
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
-        from jgraph.errors import JGraphError
-
         raise JGraphError(f"jg.testing: unknown op families {unknown}; known: {sorted(FAMILIES)}")
     return tuple(n for n in names if n not in exclude
                  and (loops or FAMILIES[n].group != "loop"))
@@ -86,16 +97,17 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, families=Non
         c = Chooser(draw, _float_dtype(dtype))
         arguments, slots, param_argnums = _draw_arguments(c, integers)
         steps = []
-        for _ in range(2 * max_steps):  # after min_steps, each step goes on with p = 7/8
+        for _ in range(2 * max_steps):  # past min_steps, a draw of 0 in [0, 7] ends the steps
             if len(steps) == max_steps or (len(steps) >= min_steps and c.integer(0, 7) == 0):
                 break
             step = _draw_step(c, groups, slots, names)
             if step is not None:
                 steps.append(step)
         spans = _draw_spans(c, 0, len(steps), None, 0, []) if regions and steps else []
+        # The loss reads the last step's value (so that most steps matter) and up to 3 others.
         floats = [k for k, s in enumerate(slots) if s.kind == FLOAT]
-        last = [k for k in floats if k >= len(slots) - len(steps[-1].outputs)] if steps else []
-        loss_terms = tuple(sorted(set(last[:1]) | set(c.subset(floats, 1 if not last else 0, 3))))
+        last = [k for k in (steps[-1].outputs if steps else ()) if slots[k].kind == FLOAT][:1]
+        loss_terms = tuple(sorted({*last, *c.subset(floats, 0 if last else 1, 3)}))
         has_aux = aux and c.boolean()
         aux_slots = c.subset(range(len(slots)), 0, 2) if has_aux else ()
         return Recipe(arguments=arguments, slots=tuple(slots), steps=tuple(steps),
@@ -112,7 +124,7 @@ def graphs(**options):
     `min_steps`/`max_steps` (op family applications), `families` (names, default all) and
     `exclude`, `regions` (checkpoint regions, nested, with policies), `names`
     (`checkpoint_name`d values), `aux` (has_aux outputs), `integers` (integer and boolean side
-    computations), `loops` (families tagged "loop"; none yet)."""
+    computations), `loops` (families of the group "loop"; none yet)."""
     return recipes(**options).map(lambda r: DrawnGraph(to_graph(r), example_args(r), r))
 
 
@@ -166,7 +178,7 @@ def _draw_step(c: Chooser, groups, slots, names) -> Step | None:
         return None
     static = tuple(sorted(proposal.static.items()))
     outs = _out_avals(family.apply, static, tuple(
-        (slots[j].shape, dtype_of_kind(c.dtype, slots[j].kind)) for j in proposal.operands))
+        (slots[j].shape, dtype_of(c.dtype, slots[j].kind)) for j in proposal.operands))
     if outs is None or any(math.prod(shape) > MAX_SIZE or len(shape) > MAX_RANK
                            for shape, _ in outs):
         return None  # a proposal JAX rejects, or too big: the step is drawn again
@@ -182,7 +194,8 @@ def _draw_step(c: Chooser, groups, slots, names) -> Step | None:
 
 @functools.lru_cache(maxsize=65536)
 def _out_avals(apply, static, specs):
-    """(shape, kind) of each output of `apply` on operands of these (shape, dtype), or None."""
+    """(shape, kind) of each output of `apply` on operands of these (shape, dtype), or None.
+    (Weak types are left out: the families never mix kinds, so they change no output dtype.)"""
     try:
         out = jax.eval_shape(lambda *xs: apply(*xs, **dict(static)),
                              *(jax.ShapeDtypeStruct(s, d) for s, d in specs))
@@ -190,10 +203,6 @@ def _out_avals(apply, static, specs):
         return None
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     return tuple((tuple(o.shape), _kind(o.dtype)) for o in outs)
-
-
-def dtype_of_kind(float_dtype: str, kind: str):
-    return {FLOAT: float_dtype, INT: "int32", BOOL: "bool"}[kind]
 
 
 def _kind(dtype) -> str:
