@@ -11,10 +11,14 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import settings
 
 import jgraph as jg
 
+# Run a property in float32 (x64 off) and in float64 (the `f64` marker: x64 on while drawing).
+BOTH_PRECISIONS = pytest.mark.parametrize(
+    "precision", [pytest.param("f32"), pytest.param("f64", marks=pytest.mark.f64)])
 QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 

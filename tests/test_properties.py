@@ -25,6 +25,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 from properties import (
+    BOTH_PRECISIONS,
     assert_bitwise,
     assert_close,
     examples,
@@ -76,9 +77,10 @@ def _training_transforms(gb):
     yield "first_micro_step(optimizer_step)", jg.first_micro_step, go
 
 
-@examples(40)
+@BOTH_PRECISIONS
+@examples(25)
 @given(jg.testing.graphs())
-def test_transforms_pass_check_and_leave_their_input_alone(drawn):
+def test_transforms_pass_check_and_leave_their_input_alone(precision, drawn):
     g, _ = drawn
     assert str(to_graph(drawn.recipe)) == str(g)  # printing depends on structure only
     before = snapshot(g)
@@ -154,9 +156,10 @@ def test_remat_outputs_are_bitwise_equal_to_no_remat_f64(drawn):
     _remat_is_bitwise(drawn)
 
 
-@examples(40)
+@BOTH_PRECISIONS
+@examples(25)
 @given(jg.testing.graphs(), st.floats(0.0, 1.0))
-def test_remat_budget_never_exceeds_the_budget_or_no_remat(drawn, fraction):
+def test_remat_budget_never_exceeds_the_budget_or_no_remat(precision, drawn, fraction):
     g, _ = drawn
     gb = jg.backward(g)
     plain = jg.memory(gb).peak_bytes
@@ -170,9 +173,10 @@ def test_remat_budget_never_exceeds_the_budget_or_no_remat(drawn, fraction):
     assert jg.memory(jg.remat(gb, budget=plain)).peak_bytes <= plain
 
 
-@examples(40)
+@BOTH_PRECISIONS
+@examples(25)
 @given(jg.testing.graphs(regions=False))
-def test_everything_saveable_is_no_remat(drawn):
+def test_everything_saveable_is_no_remat(precision, drawn):
     g, _ = drawn
     gb = jg.backward(g)
     gr = jg.remat(gb, policy=jg.policies.everything_saveable)
@@ -180,9 +184,10 @@ def test_everything_saveable_is_no_remat(drawn):
     assert jg.memory(gr).peak_bytes == jg.memory(gb).peak_bytes
 
 
-@examples(40)
+@BOTH_PRECISIONS
+@examples(25)
 @given(jg.testing.graphs(regions=False), st.sampled_from(ALL_POLICIES))
-def test_remat_saves_only_what_the_policy_saves(drawn, policy):
+def test_remat_saves_only_what_the_policy_saves(precision, drawn, policy):
     # DESIGN 4.2: a region keeps its inputs, params, outputs and what its policy saves; with
     # policy= the region is the whole forward, so every other value the backward reads is a copy.
     g, _ = drawn
@@ -204,9 +209,10 @@ def _robust_dot(eqn) -> bool:
     return bool(contract) and all(d >= 2 for a in eqn.inputs for d in a.aval.shape)
 
 
-@examples(10)
+@BOTH_PRECISIONS
+@examples(6)
 @given(jg.testing.graphs(), st.sampled_from(["regions", "nothing_saveable", "dots_saveable"]))
-def test_compiled_step_keeps_every_recomputed_dot(drawn, variant):
+def test_compiled_step_keeps_every_recomputed_dot(precision, drawn, variant):
     g, args = drawn
     gb = jg.backward(g)
     gr = jg.remat(gb) if variant == "regions" else jg.remat(gb, policy=policy_of(variant))
@@ -217,9 +223,10 @@ def test_compiled_step_keeps_every_recomputed_dot(drawn, variant):
 
 
 # -- clean-up passes, evaluate and compile -------------------------------------------------------
-@examples(15)
+@BOTH_PRECISIONS
+@examples(10)
 @given(jg.testing.graphs(), st.sampled_from(ALL_POLICIES))
-def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(drawn, policy):
+def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(precision, drawn, policy):
     g, args = drawn
     gb = jg.backward(g)
     want = jg.evaluate(gb, *args)

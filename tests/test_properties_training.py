@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from properties import (
+    BOTH_PRECISIONS,
     argnums,
     assert_bitwise,
     assert_close,
@@ -64,9 +65,10 @@ def _micro_batch(args, g, k, m):
                  for i, a in enumerate(args))
 
 
-@examples(8)
+@BOTH_PRECISIONS
+@examples(5)
 @given(jg.testing.recipes(aux=False), st.sampled_from([1, 2, 4]), st.sampled_from(["mean", "sum"]))
-def test_accumulate_over_k_micro_batches_equals_the_full_batch(recipe, period, loss):
+def test_accumulate_over_k_micro_batches_equals_the_full_batch(precision, recipe, period, loss):
     g = to_graph(recipe)
     reduce = jnp.mean if loss == "mean" else jnp.sum
     batch = _batch_of_examples(recipe, g)
@@ -94,9 +96,10 @@ def _state_graphs(g, tx, period):
     return ga, jg.optimizer_step(ga, tx)
 
 
-@examples(15)
+@BOTH_PRECISIONS
+@examples(10)
 @given(jg.testing.graphs(), st.sampled_from(sorted(OPTIMIZERS)), st.sampled_from([None, 1, 3]))
-def test_reset_gives_the_state_init_gives(drawn, name, period):
+def test_reset_gives_the_state_init_gives(precision, drawn, name, period):
     g, args = drawn
     tx = OPTIMIZERS[name]
     ga, go = _state_graphs(g, tx, period)
