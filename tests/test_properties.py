@@ -203,15 +203,26 @@ def test_remat_saves_only_what_the_policy_saves(precision, drawn, policy):
 
 
 def _robust_dot(eqn) -> bool:
-    """A dot XLA keeps as a dot: it contracts something and no operand dim is 1 (XLA rewrites
-    degenerate dots as multiplies, recomputed or not)."""
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    return bool(contract) and all(d >= 2 for a in eqn.inputs for d in a.aval.shape)
+    """A dot XLA keeps as a dot: a matrix product (it contracts something, each operand has a free
+    dim, no dim is 1). XLA rewrites the others (outer products, dots of vectors, size-1 dims) as
+    multiplies and reductions, recomputed or not."""
+    (contract, batch) = eqn.params["dimension_numbers"]
+    free = [set(range(a.aval.ndim)) - set(c) - set(b)
+            for a, c, b in zip(eqn.inputs, contract, batch, strict=True)]
+    return bool(contract[0]) and all(free) and all(
+        d >= 2 for a in eqn.inputs for d in a.aval.shape)
+
+
+# Graphs of matrix products (dims >= 2) half of the time: XLA keeps those as dots.
+MATMUL_GRAPHS = jg.testing.graphs(ranks=(2, 3), dims=(2, 3), min_steps=2, integers=False,
+                                  families=["dot_general", "tanh", "sin", "mul", "add", "reduce",
+                                            "transpose"])
 
 
 @BOTH_PRECISIONS
 @examples(6)
-@given(jg.testing.graphs(), st.sampled_from(["regions", "nothing_saveable", "dots_saveable"]))
+@given(st.one_of(jg.testing.graphs(), MATMUL_GRAPHS),
+       st.sampled_from(["regions", "nothing_saveable", "dots_saveable"]))
 def test_compiled_step_keeps_every_recomputed_dot(precision, drawn, variant):
     g, args = drawn
     gb = jg.backward(g)

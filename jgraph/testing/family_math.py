@@ -93,19 +93,24 @@ def _dot(x, y, *, dims):
 
 
 def _draw_dot(c, slots):
-    x = pick(c, slots, is_float)
+    """Mostly matrix products: one contracting pair (an outer product one time in four), then
+    up to two more pairs of equal dims, each contracting or batch."""
+    x = pick(c, slots, ranked(FLOAT))
     if x is None:
         return None
-    y = pick(c, slots, is_float)
-    sx, sy = slots[x].shape, slots[y].shape
+    sx = slots[x].shape
+    y = pick(c, slots, lambda s: s.kind == FLOAT and bool(set(s.shape) & set(sx)))
+    sy = slots[y].shape
     pairs = [(i, j) for i in range(len(sx)) for j in range(len(sy)) if sx[i] == sy[j]]
     contract, batch, used_x, used_y = ([], []), ([], []), set(), set()
-    for i, j in c.subset(pairs, max_size=3):
+    first = [] if c.integer(0, 3) == 3 else [c.choice(pairs)]
+    more = [c.choice(pairs) for _ in range(c.integer(0, 2))]
+    for n, (i, j) in enumerate(first + more):
         if i in used_x or j in used_y:
             continue
         used_x.add(i)
         used_y.add(j)
-        into = batch if c.boolean() else contract
+        into = batch if n > 0 and c.boolean() else contract
         into[0].append(i)
         into[1].append(j)
     k = math.prod(sx[i] for i in contract[0])

@@ -80,7 +80,8 @@ def _families(families, loops, exclude):
                  and (loops or FAMILIES[n].group != "loop"))
 
 
-def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, families=None,
+def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, ranks=(0, 3), dims=(1, 3),
+            families=None,
             exclude=(), regions: bool = True, names: bool = True, aux: bool = True,
             integers: bool = True, loops: bool = False):
     """A strategy drawing `Recipe`s (see `graphs` for the options)."""
@@ -95,7 +96,7 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, families=Non
     @st.composite
     def draw_recipe(draw):
         c = Chooser(draw, _float_dtype(dtype))
-        arguments, slots, param_argnums = _draw_arguments(c, integers)
+        arguments, slots, param_argnums = _draw_arguments(c, integers, ranks, dims)
         steps = []
         for _ in range(2 * max_steps):  # past min_steps, a draw of 0 in [0, 7] ends the steps
             if len(steps) == max_steps or (len(steps) >= min_steps and c.integer(0, 7) == 0):
@@ -121,7 +122,8 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, families=Non
 def graphs(**options):
     """A strategy drawing `(graph, args)`: a random well-formed forward graph and example
     arguments for it. Options: `dtype` (default: float64 when x64 is on, else float32),
-    `min_steps`/`max_steps` (op family applications), `families` (names, default all) and
+    `min_steps`/`max_steps` (op family applications), `ranks` and `dims` (the ranges of the
+    arguments' ranks and dim sizes, default (0, 3) and (1, 3)), `families` (names, default all) and
     `exclude`, `regions` (checkpoint regions, nested, with policies), `names`
     (`checkpoint_name`d values), `aux` (has_aux outputs), `integers` (integer and boolean side
     computations), `loops` (families of the group "loop"; none yet)."""
@@ -137,11 +139,11 @@ def programs(**options):
 
 
 # -- the parts of a recipe -------------------------------------------------------------------------
-def _draw_shape(c: Chooser) -> tuple[int, ...]:
-    return tuple(c.integer(1, 3) for _ in range(c.integer(0, 3)))
+def _draw_shape(c: Chooser, ranks, dims) -> tuple[int, ...]:
+    return tuple(c.integer(*dims) for _ in range(c.integer(*ranks)))
 
 
-def _draw_arguments(c: Chooser, integers: bool):
+def _draw_arguments(c: Chooser, integers: bool, ranks, dims):
     n_args = c.integer(1, 3)
     params = c.subset(range(n_args), min_size=1)
     arguments, slots = [], []
@@ -149,7 +151,7 @@ def _draw_arguments(c: Chooser, integers: bool):
     def leaf(is_param):
         kind = FLOAT if is_param or not integers else c.choice((FLOAT, FLOAT, INT, BOOL))
         bound = {FLOAT: 1.0, INT: float(INT_HIGH), BOOL: 1.0}[kind]
-        shape = _draw_shape(c)
+        shape = _draw_shape(c, ranks, dims)
         weak = kind == FLOAT and shape == () and c.integer(0, 2) == 2
         slots.append(Slot(shape, kind, bound, weak))
         return len(slots) - 1
