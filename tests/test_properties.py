@@ -6,9 +6,11 @@ JAX's default) and float64 (the `f64` marker).
 - `backward` equals `jax.value_and_grad` of the graph's own JAX evaluation, and central finite
   differences in float64 (`check_grads`, orders 1 and 2);
 - `remat` (recorded regions, every policy, `budget`) keeps every output bitwise equal to no remat
-  under `jg.evaluate`; a `budget` plan never exceeds the budget nor no remat on `jg.memory`'s
-  estimate, and `everything_saveable` equals no remat; the compiled step keeps every recomputed
-  dot (`compiled_memory(...).dots`);
+  under `jg.evaluate`, also inside the accumulate + optimizer-step graphs built on it; it saves
+  only what the policy saves; a `budget` plan never exceeds the budget nor no remat on
+  `jg.memory`'s estimate, and `everything_saveable` equals no remat (other plans may exceed no
+  remat's estimate: recomputing in the backward adds to what is live there); the compiled step
+  keeps every recomputed matrix product (`compiled_memory(...).dots`);
 - DCE and CSE keep every output bitwise and never merge `no_cse` eqns; `evaluate` and `compile`
   agree (to 2e-5 in float32: XLA fuses differently from op-by-op evaluation).
 
@@ -29,6 +31,7 @@ from properties import (
     assert_bitwise,
     assert_close,
     examples,
+    params_of,
     snapshot,
     tolerance,
     value_and_grad_of_graph,
@@ -75,6 +78,12 @@ def _training_transforms(gb):
     yield "reset", jg.reset, go
     yield "reset(accumulate)", jg.reset, ga
     yield "first_micro_step(optimizer_step)", jg.first_micro_step, go
+    gr = jg.remat(gb, policy=jg.policies.nothing_saveable)
+    yield "accumulate(remat)", lambda g: jg.accumulate(g, period=2, loss="sum"), gr
+    gra = jg.accumulate(gr, period=2, loss="sum")
+    yield "optimizer_step(accumulate(remat))", lambda g: jg.optimizer_step(g, tx), gra
+    yield "first_micro_step(accumulate(remat))", jg.first_micro_step, gra
+    yield "cse(optimizer_step(accumulate(remat)))", cse, jg.optimizer_step(gra, tx)
 
 
 @BOTH_PRECISIONS
@@ -134,26 +143,36 @@ def test_backward_matches_finite_differences(drawn, order):
 
 
 # -- remat -------------------------------------------------------------------------------------
-def _remat_is_bitwise(drawn):
+def _remat_is_bitwise(drawn, label):
     g, args = drawn
     gb = jg.backward(g)
     want = jg.evaluate(gb, *args)
-    for label, gr in remat_variants(gb):
-        note(label)
+    for name, gr in remat_variants(gb):
+        note(name)
         assert_bitwise(jg.evaluate(gr, *args), want)
+        if name == label:  # and inside the training graphs built on it
+            tx = optax.sgd(0.1, momentum=0.9)
+            state = (jax.tree.map(np.zeros_like, params_of(g, args)), np.int32(1),
+                     tx.init(params_of(g, args)))
+            plain = jg.optimizer_step(jg.accumulate(gb, period=2, loss="mean"), tx)
+            remat = jg.optimizer_step(jg.accumulate(gr, period=2, loss="mean"), tx)
+            assert_bitwise(jg.evaluate(remat, *args, *state), jg.evaluate(plain, *args, *state))
+
+
+VARIANTS = ["regions", *(jg.policies.policy_name(p) for p in ALL_POLICIES), "budget"]
 
 
 @examples(15)
-@given(jg.testing.graphs())
-def test_remat_outputs_are_bitwise_equal_to_no_remat(drawn):
-    _remat_is_bitwise(drawn)
+@given(jg.testing.graphs(), st.sampled_from(VARIANTS))
+def test_remat_outputs_are_bitwise_equal_to_no_remat(drawn, label):
+    _remat_is_bitwise(drawn, label)
 
 
 @pytest.mark.f64
 @examples(5)
-@given(jg.testing.graphs())
-def test_remat_outputs_are_bitwise_equal_to_no_remat_f64(drawn):
-    _remat_is_bitwise(drawn)
+@given(jg.testing.graphs(), st.sampled_from(VARIANTS))
+def test_remat_outputs_are_bitwise_equal_to_no_remat_f64(drawn, label):
+    _remat_is_bitwise(drawn, label)
 
 
 @BOTH_PRECISIONS
