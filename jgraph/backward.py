@@ -64,14 +64,23 @@ def _loss_output(graph: Graph):
                          for a, r in zip(graph.outputs, graph.output_roles, strict=True))
         raise TransformError(
             "backward needs exactly one output with role 'loss', and a loss must be a floating "
-            f"scalar; this graph returns ({outs}). Trace a function returning a floating scalar "
-            "loss (or (loss, aux) with has_aux=True)."
+            f"scalar; this graph returns ({outs}){_computed_at(graph, graph.outputs[:1])}. Trace a "
+            "function returning a floating scalar loss (or (loss, aux) with has_aux=True)."
         )
     loss = graph.outputs[losses[0]]
     if loss.aval.shape != () or not _floating(loss.aval.dtype):
         raise TransformError(f"backward: the loss must be a floating scalar, got "
-                             f"{short_aval(loss.aval)}")
+                             f"{short_aval(loss.aval)}{_computed_at(graph, [loss])}")
     return loss
+
+
+def _computed_at(graph: Graph, atoms) -> str:
+    """", computed at <the user's line>" for the first of `atoms`, when an eqn with a source line
+    computed it."""
+    for eqn in reversed(graph.eqns):
+        if atoms and any(o is atoms[0] for o in eqn.outputs) and eqn.source:
+            return f", computed at {eqn.source}"
+    return ""
 
 
 def backward(graph: Graph, *, loop_policy=None) -> Graph:

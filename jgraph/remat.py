@@ -49,9 +49,9 @@ def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
     `budget=` (bytes) plans regions itself instead (see `remat_under_budget`)."""
     validate(graph, "jg.remat")
-    if not any("backward" in e.tags for e in graph.eqns):
+    if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
-                             "first (this graph has no eqn tagged 'backward')")
+                             "first (this graph has no grad output and no eqn tagged 'backward')")
     if budget is not None:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
@@ -243,8 +243,8 @@ def remat_under_budget(graph: Graph, budget: int) -> Graph:
     """
     from jgraph.memory import memory
 
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-        raise TransformError(f"remat(budget={budget!r}): the budget is a positive number of "
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        raise TransformError(f"remat(budget={budget!r}): the budget is a non-negative number of "
                              "bytes (e.g. 8 * 2**20)")
     bases = {"loops as traced": _without_regions(graph)}
     if _loops(graph) and "backward_of" in graph.info:

@@ -10,6 +10,9 @@ any other output is `aux`.
 
 from __future__ import annotations
 
+import os
+import traceback
+
 import jax
 import jax.numpy as jnp
 
@@ -34,9 +37,34 @@ def _is_scalar_float(aval) -> bool:
     return aval.shape == () and jnp.issubdtype(aval.dtype, jnp.floating)
 
 
+_NOT_USER = (os.path.dirname(jax.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+
+
+def _user_line(error: BaseException) -> str:
+    """The innermost frame of `error`'s traceback outside JAX and jgraph, as "file:line (fn)"."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(_NOT_USER)]
+    if not frames:
+        return "an unknown line"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} ({f.name})"
+
+
+def _check_leaves(example_args) -> None:
+    """Every leaf of the arguments is something JAX can trace (an array or a scalar)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(example_args))[0]:
+        try:
+            jax.typeof(leaf)
+        except TypeError:
+            raise TraceError(f"argument args{jax.tree_util.keystr(path)} is a "
+                             f"{type(leaf).__name__} ({leaf!r:.60}), not an array or a scalar: "
+                             "pass it as a static value (close over it) or as an array") from None
+
+
 def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
     """Trace `fn(*example_args)` into a forward graph."""
     argnums = _normalize_argnums(param_argnums, len(example_args))
+    _check_leaves(example_args)
     flat_args, in_tree = jax.tree.flatten(tuple(example_args))
     out_tree_box = []
 
@@ -48,7 +76,14 @@ def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
         out_tree_box.append(out_tree)
         return leaves
 
-    closed = jax.make_jaxpr(flat_fn)(*flat_args)
+    try:
+        closed = jax.make_jaxpr(flat_fn)(*flat_args)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            jax.errors.TracerIntegerConversionError, jax.errors.UnexpectedTracerError) as e:
+        first = str(e).strip().split("\n")[0]
+        raise TraceError(f"{type(e).__name__} at {_user_line(e)}: {first} (the function needs a "
+                         "concrete value where jg.trace has a traced one: use lax.cond, "
+                         "lax.while_loop or jnp.where for control flow on array values)") from e
     out_tree = out_tree_box[-1]
 
     inputs = tuple(Var(v.aval) for v in closed.jaxpr.invars)

@@ -127,9 +127,12 @@ class _FirstMicroStep(Interpreter):
         values = [self._constant(a) for a in inputs]
         if eqn.op == "select_n" and values[0] is not None:  # a known predicate picks a case
             return [inputs[1 + int(values[0])]]
-        if (all(v is not None for v in values) and len(eqn.outputs) == 1
-                and eqn.outputs[0].aval.shape == () and eqn.op in ops.lowerings):
-            out = eqn.outputs[0]  # fold a scalar computation
+        if (all(v is not None and a.aval.shape == () for v, a in zip(values, inputs, strict=True))
+                and len(eqn.outputs) == 1 and eqn.outputs[0].aval.shape == ()
+                and eqn.op in ops.lowerings):
+            # fold a computation on scalars (a value known one value everywhere is not a scalar:
+            # summing a broadcast of 1.0 does not give 1.0)
+            out = eqn.outputs[0]
             value = np.asarray(ops.lowerings[eqn.op](*values, **eqn.params)[0], out.aval.dtype)
             return [Literal(value, out.aval)]
         if eqn.op == "broadcast_in_dim" and values[0] is not None:
