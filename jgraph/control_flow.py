@@ -17,6 +17,7 @@ loop stays a loop in XLA. VJP rules: `jgraph.vjp.loops`.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -73,10 +74,15 @@ def signature_problem(eqn) -> str | None:
     if eqn.op == "while":
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         carry = avals[nc + nb:]
+        preds = [a.aval for a in p["cond_graph"].outputs]
+        # A batched predicate (jax.vmap of a while_loop) is bool[B...], a prefix of every carry's
+        # shape: the loop runs while any is true, and updates only the carries whose is.
+        batch = preds[0].shape if len(preds) == 1 else ()
+        if batch and any(a.shape[:len(batch)] != batch for a in carry):
+            batch = ()
         return (_expect("cond_graph inputs", [v.aval for v in p["cond_graph"].inputs],
                         avals[:nc] + carry)
-                or _expect("cond_graph outputs", [a.aval for a in p["cond_graph"].outputs],
-                           [ShapedArray((), np.dtype(bool))])
+                or _expect("cond_graph outputs", preds, [ShapedArray(batch, np.dtype(bool))])
                 or _expect("body inputs", [v.aval for v in p["body"].inputs],
                            avals[nc:nc + nb] + carry)
                 or _expect("body outputs", [a.aval for a in p["body"].outputs], carry))
@@ -160,8 +166,18 @@ def _while_lowering(*values, interpret, cond_graph, body, cond_nconsts, body_nco
     cond_consts = values[:cond_nconsts]
     body_consts = values[cond_nconsts:cond_nconsts + body_nconsts]
     init = list(values[cond_nconsts + body_nconsts:])
-    return list(lax.while_loop(lambda c: interpret(cond_graph, *cond_consts, *c)[0],
-                               lambda c: interpret(body, *body_consts, *c), init))
+    if not cond_graph.outputs[0].aval.shape:
+        return list(lax.while_loop(lambda c: interpret(cond_graph, *cond_consts, *c)[0],
+                                   lambda c: interpret(body, *body_consts, *c), init))
+
+    def step(c):  # a batched predicate: only the carries whose predicate holds move on
+        pred = interpret(cond_graph, *cond_consts, *c)[0]
+        new = interpret(body, *body_consts, *c)
+        return [lax.select(jnp.broadcast_to(pred.reshape(pred.shape + (1,) * (x.ndim - pred.ndim)),
+                                            x.shape), y, x) for x, y in zip(c, new, strict=True)]
+
+    return list(lax.while_loop(lambda c: jnp.any(interpret(cond_graph, *cond_consts, *c)[0]),
+                               step, init))
 
 
 ops.defop("while", _while_shape, _while_lowering)

@@ -42,3 +42,34 @@ def test_first_micro_step_does_not_fold_a_reduction_of_a_broadcast_constant():
     np.testing.assert_allclose(value, loss, rtol=1e-6)
     np.testing.assert_allclose(acc, grad, rtol=1e-6)
     assert int(counter) == 1
+
+
+def test_remat_with_a_policy_of_a_cond_whose_branch_recomputes_from_its_operands():
+    # loss = sum(cond(x > 0, tanh, sin)(p)) under remat(policy=...): the branches' backward copied
+    # the forward eqns it recomputes with their checkpoint region still on them, a region the
+    # branch graph does not have (check: "refers to unknown checkpoint region 0").
+    def f(p, x):
+        return jnp.sum(jax.lax.cond(jnp.sum(x) > 0, jnp.tanh, jnp.sin, p))
+
+    p, x = F32(0.7), F32(-0.2)
+    gb = jg.backward(jg.trace(f, p, x, param_argnums=0))
+    want = jax.value_and_grad(f)(p, x)
+    for policy in (jg.policies.nothing_saveable, jg.policies.everything_saveable):
+        gr = jg.check(jg.remat(gb, policy=policy))
+        np.testing.assert_allclose(jg.evaluate(gr, p, x), want, rtol=1e-6)
+
+
+def test_a_vmapped_while_loop_runs_each_example_its_own_number_of_times():
+    # jax.vmap of a while_loop with a per-example trip count: the predicate is bool[B], which
+    # check rejected ("cond_graph outputs: ['bool[4]'], expected ['bool[]']") and lax.while_loop
+    # could not lower; the loop runs while any predicate holds and moves only those examples.
+    def f(p, n):
+        def one(k):
+            return jax.lax.while_loop(lambda c: c[0] < k, lambda c: (c[0] + 1, c[1] * p),
+                                      (0, jnp.float32(1.0)))[1]
+        return jnp.sum(jax.vmap(one)(n))
+
+    p, n = F32(1.5), np.array([0, 1, 3, 2], np.int32)
+    g = jg.check(jg.trace(f, p, n))
+    assert float(jg.evaluate(g, p, n)) == float(f(p, n)) == 1 + 1.5 + 1.5**3 + 1.5**2
+    assert float(jg.compile(g)(p, n)) == float(f(p, n))

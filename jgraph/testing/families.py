@@ -8,20 +8,21 @@ A `Family` has
   |output| given the operands' bounds; None when nothing drawn so far fits;
 - `group`: what kind of op it is; a strategy draws a group, then a family of the group, so that
   every group is drawn about as often however many families it has. The groups, in the order
-  shrinking prefers: GROUPS. Group "loop" (structured control flow; none yet) is drawn only when
-  asked for (`graphs(loops=True)`).
+  shrinking prefers: GROUPS. Group "loop" (structured control flow) is drawn unless asked not to
+  (`graphs(loops=False)`).
 
 The families live by group in `family_math` (elementwise, custom derivatives, binaries,
-contraction, reductions, constants), `family_shapes` (shapes and indexing) and `family_integer`
-(integer and boolean side computations). Each is registered right after its definition; a user's
+contraction, reductions, constants), `family_shapes` (shapes and indexing), `family_integer`
+(integer and boolean side computations) and `family_loops` (scan, fori_loop, cond/switch,
+while_loop). Each is registered right after its definition; a user's
 own family, registered the same way, is drawn by `jg.testing.graphs()` and `programs()` like
 these. Values
 are kept small (at most MAX_SIZE elements, rank MAX_RANK) and bounded (|value| <= LIMIT), so that
 the computations stay finite and finite differences stay accurate.
 
-Adding a loop family (once structured control flow lands): an `apply` that calls `lax.scan`,
-`lax.fori_loop`, `lax.while_loop` or `lax.cond` on a small body built from the families here, a
-`draw` that picks the carry and the xs, and `group="loop"`; `graphs(loops=True)` draws it.
+A loop family is an `apply` that calls `lax.scan`, `lax.fori_loop`, `lax.while_loop` or
+`lax.cond` on a small body, and a `draw` that picks the carry and the operands the body closes
+over (see `family_loops`).
 """
 
 from __future__ import annotations
@@ -151,4 +152,9 @@ def loss_of(*xs):
 
 
 # Registration of the families, by group (imported for their side effect on FAMILIES).
-from jgraph.testing import family_integer, family_math, family_shapes  # noqa: E402,F401
+from jgraph.testing import (  # noqa: E402,F401
+    family_integer,
+    family_loops,
+    family_math,
+    family_shapes,
+)

@@ -83,7 +83,7 @@ def _families(families, loops, exclude):
 def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, ranks=(0, 3), dims=(1, 3),
             families=None,
             exclude=(), regions: bool = True, names: bool = True, aux: bool = True,
-            integers: bool = True, loops: bool = False):
+            integers: bool = True, loops: bool = True):
     """A strategy drawing `Recipe`s (see `graphs` for the options)."""
     chosen = _families(families, loops, exclude)
     if not integers:
@@ -126,7 +126,8 @@ def graphs(**options):
     arguments' ranks and dim sizes, default (0, 3) and (1, 3)), `families` (names, default all) and
     `exclude`, `regions` (checkpoint regions, nested, with policies), `names`
     (`checkpoint_name`d values), `aux` (has_aux outputs), `integers` (integer and boolean side
-    computations), `loops` (families of the group "loop"; none yet)."""
+    computations), `loops` (families of the group "loop": scan, fori_loop, cond/switch,
+    while_loop; on by default)."""
     return recipes(**options).map(lambda r: DrawnGraph(to_graph(r), example_args(r), r))
 
 

@@ -99,7 +99,8 @@ def split(joint: Graph, kinds, n_out: int) -> Split:
         output_roles=("aux",) * (n_out + len(residuals)), regions=())
     r_inputs = (tuple(primal_in[k] for k in const_res) + residuals
                 + tuple(primal_in[k] for k in x_res) + ct_in)
-    backward = Graph(inputs=r_inputs, eqns=tuple(e for e in fwd if e in copies) + tuple(bwd),
+    backward = Graph(inputs=r_inputs,
+                     eqns=tuple(_without_regions(e) for e in fwd if e in copies) + tuple(bwd),
                      outputs=joint.outputs[n_out:], input_roles=("data",) * len(r_inputs),
                      output_roles=("aux",) * (len(joint.outputs) - n_out))
     return Split(forward, backward, const_res, x_res, residuals)
