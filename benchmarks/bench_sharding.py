@@ -2,11 +2,17 @@
 
 Measured in a child process with 8 forced host devices (JAX fixes its device count at start).
 Models: the demo MLP (`jgraph.training.demo`, micro-batch 16) and a stack of 4 transformer blocks
-(width 64, 4 heads, sequence 32, micro-batch 8: one datapoint per device at 8 devices), adam,
-cross-entropy. Rows, at 1, 2, 4 and 8 devices:
+(width 64, 4 heads, sequence 32, and 128 at 1 and 8 devices; micro-batch 8: one datapoint per
+device at 8 devices), adam, cross-entropy. At sequence 32 the period-1 step's per-device peak on
+8 devices is the gradients' all-reduce (about 1.8x the param bytes, whatever the activations), so
+the activations' share shows in the grad micro-step and at sequence 128. Rows, at 1, 2, 4 and 8
+devices:
 - per-device temp of the donated steps (XLA's `memory_analysis`): the period-4 micro-step (`grad`,
   per-device accumulation) and the period-1 step (`opt`, the whole micro-batch partitioned by
-  XLA); the reference is the same step on 1 device, so the ratio is the per-device share;
+  XLA), with params replicated and FSDP-style (a param's first axis split over the devices where
+  it divides: the period-1 step's gradients and adam temporaries are param-sized, and replicated
+  params keep them whole on every device); the reference is the same step on 1 device, so the
+  ratio is the per-device share;
 - collectives in the period-4 grad and opt executables (in the note).
 
     python -m benchmarks.bench_sharding
@@ -24,8 +30,8 @@ KIB = 1024
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _transformer(jnp, np, jax):
-    width, heads, seq, depth = 64, 4, 32, 4
+def _transformer(jnp, np, jax, seq=32):
+    width, heads, depth = 64, 4, 4
 
     def block(p, x):
         split = lambda h: h.reshape(h.shape[:2] + (heads, width // heads))  # noqa: E731
@@ -57,6 +63,7 @@ def _child() -> None:
     import numpy as np
     import optax
     from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jgraph as jg
     from jgraph.training import demo
@@ -65,13 +72,17 @@ def _child() -> None:
     ds, n_in = demo.load_digits_dataset()
     cases = {"demo MLP": (demo.model, demo.init_params(jax.random.PRNGKey(0), n_in),
                           *ds.batch(0, 16)),
-             "transformer x4": _transformer(jnp, np, jax)}
+             "transformer x4": _transformer(jnp, np, jax),
+             "transformer x4 seq 128": _transformer(jnp, np, jax, seq=128)}
+    def fsdp(leaf):  # FSDP-style: a param's first axis split over the devices where it divides
+        return P("data") if leaf.ndim and leaf.shape[0] % 8 == 0 else None
+
     for name, (model, params, x, y) in cases.items():
-        for period in (4, 1):
-            for k in (1, 2, 4, 8):
+        for period, sharding in ((4, None), (1, None), (1, fsdp)):
+            for k in ((1, 8) if "seq" in name else (1, 2, 4, 8)):
                 mesh = Mesh(np.array(jax.devices()[:k]), ("data",))
                 opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy",
-                                   period=period, mesh=mesh)
+                                   period=period, mesh=mesh, param_sharding=sharding)
                 state = opt.init(params, x, y)
                 data = opt._data(x, y)
                 if period == 1:
@@ -86,6 +97,7 @@ def _child() -> None:
                     counts = count_collectives(last.as_text())
                 compiled = step.compile()
                 print(json.dumps({"model": name, "period": period, "devices": k,
+                                  "fsdp": sharding is not None,
                                   "temp": compiled.memory_analysis().temp_size_in_bytes,
                                   "step": count_collectives(compiled.as_text()),
                                   "opt": counts}), flush=True)
@@ -107,10 +119,12 @@ def _short(counts: dict) -> str:
 def rows(quick: bool = False) -> list[dict]:
     out, single = [], {}
     for r in _measure():
-        key = (r["model"], r["period"])
+        key = (r["model"], r["period"], r["fsdp"])
         if r["devices"] == 1:
             single[key] = r["temp"]
         step = "grad micro-step, period 4" if r["period"] > 1 else "opt step, period 1"
+        if r["fsdp"]:
+            step += ", FSDP params"
         note = f"step: {_short(r['step'])}"
         if r["opt"]:
             note += f"; opt step: {_short(r['opt'])}"
