@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jgraph as jg
 
@@ -73,3 +74,23 @@ def test_a_vmapped_while_loop_runs_each_example_its_own_number_of_times():
     g = jg.check(jg.trace(f, p, n))
     assert float(jg.evaluate(g, p, n)) == float(f(p, n)) == 1 + 1.5 + 1.5**3 + 1.5**2
     assert float(jg.compile(g)(p, n)) == float(f(p, n))
+
+
+@pytest.mark.f64
+def test_finite_differences_of_a_fast_oscillating_loss_need_a_small_step():
+    # loss = v + sin(v), v = 32 * sum(tanh(w))**2 (about 146 here): jgraph's gradient was right
+    # (equal to jax.grad), but central differences with the default step 1e-4 were 5e-5 off
+    # (truncation error ~ eps**2 * f'''); the finite-difference property now uses eps=1e-6.
+    def f(w):
+        s = jnp.broadcast_to(jnp.sum(jnp.tanh(w)), (2,))
+        v = jnp.dot(4 * s, 4 * s)
+        return v + jnp.sin(v)
+
+    w = np.array([1.0, 0.8, 0.9])
+    g = jg.trace(f, w, param_argnums=0)
+    _, grad = jg.evaluate(jg.backward(g), w)
+    np.testing.assert_allclose(grad, jax.grad(f)(w), rtol=1e-12)
+    jg.testing.check_grads(lambda x: jg.evaluate(g, x), (w,), order=2, eps=1e-6, rtol=1e-5,
+                           atol=1e-5)
+    with pytest.raises(AssertionError, match="central finite differences"):
+        jg.testing.check_grads(lambda x: jg.evaluate(g, x), (w,), order=1, rtol=1e-5, atol=1e-5)
