@@ -173,8 +173,8 @@ def _while_lowering(*values, interpret, cond_graph, body, cond_nconsts, body_nco
     def step(c):  # a batched predicate: only the carries whose predicate holds move on
         pred = interpret(cond_graph, *cond_consts, *c)[0]
         new = interpret(body, *body_consts, *c)
-        return [lax.select(jnp.broadcast_to(pred.reshape(pred.shape + (1,) * (x.ndim - pred.ndim)),
-                                            x.shape), y, x) for x, y in zip(c, new, strict=True)]
+        return [lax.select(lax.broadcast_in_dim(pred, x.shape, tuple(range(pred.ndim))), y, x)
+                for x, y in zip(c, new, strict=True)]
 
     return list(lax.while_loop(lambda c: jnp.any(interpret(cond_graph, *cond_consts, *c)[0]),
                                step, init))
