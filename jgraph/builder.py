@@ -91,7 +91,7 @@ class Builder:
         hashable: they are part of the template's cache key.
         """
         avals = tuple((tuple(a.aval.shape), a.aval.dtype, a.aval.weak_type) for a in inputs)
-        steps, out_refs = _template(fn, tuple(sorted(static.items())), avals)
+        steps, out_refs = _template(fn, tuple(sorted(static.items())), avals, _trace_config())
         values = list(inputs)
         tags, regions, source, eqns = self.tags, self.regions, self.source, self.eqns
         for op, refs, params, out_avals in steps:
@@ -159,10 +159,20 @@ class Builder:
         return region
 
 
+def _trace_config() -> tuple:
+    """The JAX settings that change what tracing a function gives (its dtypes, its dots'
+    precision): part of a template's cache key, so that a template traced inside
+    `jax.enable_x64(True)` is not reused outside it."""
+    c = jax.config
+    return (c.jax_enable_x64, c.jax_default_matmul_precision, c.jax_numpy_rank_promotion,
+            c.jax_numpy_dtype_promotion)
+
+
 @functools.lru_cache(maxsize=16384)
-def _template(fn, static_items, avals):
-    """The eqns of `fn` traced on `avals`, as (steps, output refs); a ref is an int (a position
-    among the inputs and the outputs of earlier steps), a Literal, or None."""
+def _template(fn, static_items, avals, config):
+    """The eqns of `fn` traced on `avals` under JAX settings `config` (`_trace_config()`), as
+    (steps, output refs); a ref is an int (a position among the inputs and the outputs of earlier
+    steps), a Literal, or None."""
     static = dict(static_items)
     none_mask = []
 

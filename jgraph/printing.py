@@ -41,6 +41,14 @@ class _Namer:
         self.names: dict[int, str] = {}
         self.fresh = _names()
 
+    def nested(self) -> _Namer:
+        """A namer for a sub-graph: closed, it names only its own variables, so it starts empty
+        and draws on the same letters. A sub-graph object shared by two eqns (JAX traces a
+        `while_loop`'s cond once) prints with fresh names each time, like a copy of it."""
+        sub = _Namer()
+        sub.fresh = self.fresh
+        return sub
+
     def __call__(self, v: Var) -> str:
         if id(v) not in self.names:
             self.names[id(v)] = next(self.fresh)
@@ -221,7 +229,7 @@ def eqn_lines(graph: Graph, name: _Namer | None = None, nested: bool = False,
             for key, value in subs:
                 for k, sub in enumerate(_graphs_in(value)):
                     label = f"{key}={{" if len(_graphs_in(value)) == 1 else f"{key}[{k}]={{"
-                    body = _graph_lines(sub, name, roles=False)
+                    body = _graph_lines(sub, name.nested(), roles=False)
                     body[0] = body[0].removeprefix("{")
                     lines += ["  " + label + body[0]] + ["  " + " " * len(label) + line
                                                           for line in body[1:]]

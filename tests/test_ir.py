@@ -310,3 +310,27 @@ def test_check_compares_every_grad_output_with_its_param():
 def test_region_lookup_of_an_unknown_id_is_a_graph_error():
     with pytest.raises(jg.GraphError, match="no checkpoint region 3"):
         layer_graph().region(3)
+
+
+def test_a_sub_graph_shared_by_two_eqns_prints_as_two_copies_do():
+    # The tracer can hand two while eqns the same cond Graph object (JAX traces a cond function
+    # once). Printing named variables by object, so the second copy reused the first one's names
+    # and equal graphs printed differently (found by the tracing property).
+    def f(p):
+        def more(s):
+            return s[0] < 3
+
+        def step(s):
+            return s[0] + 1, jnp.cos(s[1])
+
+        a = jax.lax.while_loop(more, step, (jnp.int32(0), p))[1]
+        return jax.lax.while_loop(more, step, (jnp.int32(0), a))[1]
+
+    g = jg.trace(f, np.float32(0.5))
+    first, second = g.eqns
+    assert first.params["cond_graph"] is not second.params["cond_graph"]
+    shared = dataclasses.replace(second, params={**second.params, **{
+        k: first.params[k] for k in ("cond_graph", "body")}})
+    g_shared = jg.check(dataclasses.replace(g, eqns=(first, shared)))
+    assert str(g_shared) == str(g)
+    assert "cond_graph={ lambda m:i32[] n:f32[] ." in str(g_shared)

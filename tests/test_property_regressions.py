@@ -94,3 +94,26 @@ def test_finite_differences_of_a_fast_oscillating_loss_need_a_small_step():
                            atol=1e-5)
     with pytest.raises(AssertionError, match="central finite differences"):
         jg.testing.check_grads(lambda x: jg.evaluate(g, x), (w,), order=1, rtol=1e-5, atol=1e-5)
+
+
+def test_builder_templates_are_not_shared_across_x64_settings():
+    # A template (`Builder.call`'s cached trace of a JAX function) traced inside
+    # `jax.enable_x64(True)` was reused outside it: jnp.sum of an int32 is int64 under x64, so the
+    # graph built later compared an int64 with an int32 carry ("lax.lt requires arguments to have
+    # the same dtypes"). The suite's f64 tests drew such a template first.
+    from jgraph.builder import Builder
+    from jgraph.ir import ShapedArray, Var
+
+    def more(k, v):
+        return (k < 4) & (jnp.sum(v) < 20)
+
+    k, v = Var(ShapedArray((), np.int32)), Var(ShapedArray((3,), np.int32))
+    with jax.enable_x64(True):
+        b64 = Builder()
+        b64.call(more, k, v)
+    b32 = Builder()
+    (out,) = b32.call(more, k, v)
+    g = jg.check(jg.ir.Graph((k, v), tuple(b32.eqns), (out,), ("data", "data"), ("aux",)))
+    assert {a.aval.dtype for e in b64.eqns for a in e.outputs} >= {np.dtype(np.int64)}
+    assert all(a.aval.dtype != np.int64 for e in g.eqns for a in (*e.inputs, *e.outputs))
+    assert bool(jg.evaluate(g, np.int32(1), np.arange(3, dtype=np.int32))) is True
