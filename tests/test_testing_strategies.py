@@ -28,6 +28,9 @@ from jgraph.testing import FAMILIES, Family, Proposal
 from jgraph.testing.build import POLICIES
 from jgraph.testing.families import GROUPS, register
 
+# Under pytest-xdist (`--dist loadgroup`) one worker runs this file: `_drawn()` draws once.
+pytestmark = pytest.mark.xdist_group("strategies")
+
 FIND = settings(max_examples=2000, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 
@@ -79,7 +82,10 @@ def test_under_x64_graphs_draw_float64(drawn):
 
 def test_every_family_is_drawn():
     drawn = {s.family for r in _drawn() for s in r.steps}
-    assert drawn == set(FAMILIES), set(FAMILIES) - drawn
+    assert drawn <= set(FAMILIES)
+    assert len(drawn) >= len(FAMILIES) - 2, set(FAMILIES) - drawn  # nearly all in a plain draw
+    for name in set(FAMILIES) - drawn:  # the rare rest: hypothesis's search finds each
+        _found(lambda r, name=name: any(s.family == name for s in r.steps))
 
 
 def test_regions_of_every_policy_are_drawn_nested():
