@@ -303,8 +303,10 @@ def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(precision, drawn, polic
     assert_bitwise(jg.evaluate(cse(gb), *args), want)
     gr = jg.remat(gb, policy=policy)
     merged = cse(gr)
-    assert [e for e in merged.eqns if "no_cse" in e.tags] == \
-        [e for e in gr.eqns if "no_cse" in e.tags]
+    # every no_cse eqn stays, defining its own outputs; its inputs may be renamed to values CSE
+    # merged upstream (two equal forward eqns a recompute reads)
+    assert [(e.op, e.outputs, e.tags) for e in merged.eqns if "no_cse" in e.tags] == \
+        [(e.op, e.outputs, e.tags) for e in gr.eqns if "no_cse" in e.tags]
     assert_bitwise(jg.evaluate(merged, *args), want)
     assert_bitwise(jg.evaluate(dce(merged), *args), want)
 

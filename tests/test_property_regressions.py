@@ -117,3 +117,29 @@ def test_builder_templates_are_not_shared_across_x64_settings():
     assert {a.aval.dtype for e in b64.eqns for a in e.outputs} >= {np.dtype(np.int64)}
     assert all(a.aval.dtype != np.int64 for e in g.eqns for a in (*e.inputs, *e.outputs))
     assert bool(jg.evaluate(g, np.int32(1), np.arange(3, dtype=np.int32))) is True
+
+
+def test_cse_of_a_remat_graph_keeps_recomputes_reading_merged_values():
+    # Two equal forward eqns (tanh(p) twice), one read by a cond that remat keeps whole: CSE merges
+    # the forward pair and renames the input of the recompute that read the second. The recompute
+    # itself (no_cse) must stay, and the gradient stays bitwise (the property compared whole eqns).
+    from jgraph.passes import cse
+
+    def f(p):
+        a, b = jnp.tanh(p), jnp.tanh(p)
+        c = jnp.tanh(b)
+        d = jax.lax.cond(jnp.sum(b) > 0, lambda u, v: jnp.tanh(u) * v, lambda u, v: jnp.sin(v) - u,
+                         b, a)
+        return jnp.sum(d + c)
+
+    p = F32(0.7)
+    gb = jg.backward(jg.trace(f, p, param_argnums=0))
+    gr = jg.remat(gb, policy=jg.policies.nothing_saveable)
+    merged = jg.check(cse(gr))
+    recomputes = [(e.op, e.outputs) for e in gr.eqns if "no_cse" in e.tags]
+    assert recomputes
+    assert [(e.op, e.outputs) for e in merged.eqns if "no_cse" in e.tags] == recomputes
+    want = jax.value_and_grad(f)(p)
+    got = jg.evaluate(merged, p)
+    np.testing.assert_array_equal(jax.tree.leaves(got), jax.tree.leaves(jg.evaluate(gb, p)))
+    np.testing.assert_allclose(jax.tree.leaves(got), jax.tree.leaves(want), rtol=1e-6)
