@@ -37,17 +37,15 @@ def _names():
 
 
 class _Namer:
-    def __init__(self):
+    def __init__(self, fresh=None):
         self.names: dict[int, str] = {}
-        self.fresh = _names()
+        self.fresh = fresh if fresh is not None else _names()
 
     def nested(self) -> _Namer:
         """A namer for a sub-graph: closed, it names only its own variables, so it starts empty
         and draws on the same letters. A sub-graph object shared by two eqns (JAX traces a
         `while_loop`'s cond once) prints with fresh names each time, like a copy of it."""
-        sub = _Namer()
-        sub.fresh = self.fresh
-        return sub
+        return _Namer(self.fresh)
 
     def __call__(self, v: Var) -> str:
         if id(v) not in self.names:
