@@ -56,6 +56,7 @@ from jgraph.training.arguments import (
     integer,
     positive_int,
 )
+from jgraph.training.dataset import check_class_ids
 from jgraph.training.graphs import grad_params, grads_tree, tuple_tree, with_labels
 from jgraph.training.guard import STATE_ROLES, guard_nonfinite
 from jgraph.training.interrupts import held_sigint
@@ -116,6 +117,13 @@ class _Build:
 
 _SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
 _MAX_SHARED_BUILDS = 64
+
+
+def batch_text(inputs, labels) -> str:
+    """`inputs float32[8, 5]; labels int32[8]`: the shapes a static build is specialised to."""
+    text = lambda t: ", ".join(f"{dtype_of(a)}{list(np.shape(a))}"  # noqa: E731
+                               for a in jax.tree.leaves(t))
+    return f"inputs {text(inputs)}" + ("" if labels is None else f"; labels {text(labels)}")
 
 
 def _apply_remat(graph: Graph, remat):
@@ -194,6 +202,9 @@ class Optimizer(StateFiles, WholePeriods):
         self.plan = None if mesh is None else MeshPlan(mesh, data_axis, param_sharding)
         self._builds: dict[tuple, _Build] = {}
         self._last: _Build | None = None
+        self._init: _Build | None = None  # the build `init` made: the state's template
+        self._fingerprint: dict | None = None  # what state files record (computed on demand)
+        self._batch: str | None = None  # the example batch's shapes, as the fingerprint says
         self._latest: TrainState | None = None
         self._keyed = False  # the params hold typed PRNG keys (set by init)
         self._params_shape = None
@@ -345,14 +356,14 @@ class Optimizer(StateFiles, WholePeriods):
 
     def _check_labels(self, build: _Build, labels) -> None:
         """Class ids on the host must lie in [0, nclasses): one-hot encoding would silently turn
-        any other id into a zero row. (On the device such ids make the loss NaN, as in optax.)"""
-        if build.nclasses is None or not isinstance(labels, np.ndarray) or labels.size == 0:
+        any other id into a zero row. JAX arrays are not read back (that would wait for the
+        device every step): there such ids make the loss NaN, which `on_nonfinite` reports."""
+        if build.nclasses is None or labels is None or isinstance(labels, jax.Array):
             return
-        if labels.min() < 0 or labels.max() >= build.nclasses:
-            at = tuple(int(i) for i in np.argwhere((labels < 0) | (labels >= build.nclasses))[0])
-            raise ArgumentError(f"labels must be class ids in [0, {build.nclasses}) for "
-                                f"{self.loss!r} over {build.nclasses} outputs; got "
-                                f"{labels[at]} at index {at}")
+        labels = np.asarray(labels)
+        if labels.dtype.kind in "iu":
+            check_class_ids(labels, build.nclasses, f"labels (for {self.loss!r} over "
+                                                    f"{build.nclasses} outputs)")
 
     def check_labels(self, labels) -> None:
         """`ArgumentError` if host labels hold a class id the model's outputs cannot match."""
@@ -396,6 +407,8 @@ class Optimizer(StateFiles, WholePeriods):
         self._keyed = has_keys(params)
         self._builds.clear()
         build = self._for(example_inputs, example_labels)
+        if self.needs_labels:
+            self._check_labels(build, example_labels)
         lead = jax.tree.leaves(example_inputs)[0]
         self.batch_size = int(np.shape(lead)[0]) if np.ndim(lead) else 1
         params = fresh_copy(params) if self.plan is None else self._place(params, build)
@@ -404,6 +417,9 @@ class Optimizer(StateFiles, WholePeriods):
         build.state_template = jax.tree.map(
             lambda a: a if isinstance(a, np.ndarray | np.generic) else jax.ShapeDtypeStruct(
                 a.shape, a.dtype), state)
+        # one assignment: a Ctrl-C inside init leaves the previous init's template in place
+        self._init, self._fingerprint, self._batch = build, None, batch_text(
+            example_inputs, example_labels if self.needs_labels else None)
         return self._record(state)
 
     def _place(self, params, build: _Build):
@@ -450,14 +466,16 @@ class Optimizer(StateFiles, WholePeriods):
             self._raise_if_nonfinite(finite, f"micro-step {i} of period {self.period}")
         return new, self._output(value, build, self.period, finite)
 
-    def _run(self, executable, state, *args):
+    def _run(self, executable, state, *args, what: str = "Optimizer.step"):
         try:
             return executable(*args)
-        except (RuntimeError, ValueError) as e:  # what jax raises for a deleted buffer
-            if deleted(state):
+        except (RuntimeError, TypeError, ValueError, JGraphError) as e:
+            if deleted(state):  # jax raises RuntimeError or ValueError for a deleted buffer
                 raise ArgumentError("Optimizer: this state's buffers were donated to a later step "
                                     "and deleted; continue from the state that step returned "
                                     "(or `opt.latest_state`)") from e
+            if self._init is not None:  # a state that does not fit the executable: whose is it?
+                self.checked_state(state, what)
             raise
 
     def _raise_if_nonfinite(self, finite: bool, where: str) -> None:
@@ -474,14 +492,15 @@ class Optimizer(StateFiles, WholePeriods):
         self._check_labels(build, labels)
         trainable, keys = self._split(state.params)
         value = self._run(build.executables["forward"], state, trainable,
-                          *self._data(inputs, labels, keys))
+                          *self._data(inputs, labels, keys), what="Optimizer.evaluate")
         return self._output(value, build, 1)
 
     def reset(self, state: TrainState, optimizer: bool = False) -> TrainState:
         """ggml_opt_reset: zero accumulators and the counter; with `optimizer`, also `tx.init`."""
         if self._last is None:
             raise JGraphError("Optimizer.reset: call init first")
-        fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0])
+        fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0],
+                          what="Optimizer.reset")
         new = state._replace(grad_acc=fresh.get("grad_acc"), counter=np.int32(0))
         return self._record(new._replace(opt_state=fresh["opt_state"]) if optimizer else new)
 
