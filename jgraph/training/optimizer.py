@@ -119,6 +119,16 @@ _SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
 _MAX_SHARED_BUILDS = 64
 
 
+def _train_state(state, what: str) -> None:
+    if not isinstance(state, TrainState):
+        raise ArgumentError(f"{what}: expected a TrainState (from init, step or load), got "
+                            f"{type(state).__name__}")
+
+
+def _signature_text(key) -> str:
+    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in key)
+
+
 def batch_text(inputs, labels) -> str:
     """`inputs float32[8, 5]; labels int32[8]`: the shapes a static build is specialised to."""
     text = lambda t: ", ".join(f"{dtype_of(a)}{list(np.shape(a))}"  # noqa: E731
@@ -309,8 +319,14 @@ class Optimizer(StateFiles, WholePeriods):
                 self.plan.batch_size((x, y), "Optimizer")
             if self.static and self._builds:
                 (known,) = self._builds
-                raise JGraphError(f"static Optimizer was built for inputs {known}, got {key}; "
-                                  f"use Optimizer(..., static=False) for varying shapes")
+                lists = any(isinstance(t, list | tuple) and t and not isinstance(t[0], np.ndarray
+                                                                                | jax.Array)
+                            for t in (x, y))
+                raise JGraphError(
+                    f"static Optimizer was built for inputs (and labels) {_signature_text(known)}"
+                    f", got {_signature_text(key)}; use Optimizer(..., static=False) for varying "
+                    f"shapes" + ("; a Python list is a pytree of one input per element: pass "
+                                 "np.asarray(...)" if lists else ""))
             build = self._builds[key] = self._shared_build(x, y, key)
         self._last = build
         return build
@@ -373,6 +389,7 @@ class Optimizer(StateFiles, WholePeriods):
 
     def _micro_step(self, state, what: str) -> int:
         """The state's counter as an int in [0, period) (a Python int is fine)."""
+        _train_state(state, what)
         counter = state.counter
         if type(counter) is np.int32 and 0 <= counter < self.period:  # what steps produce
             return int(counter)
@@ -435,6 +452,8 @@ class Optimizer(StateFiles, WholePeriods):
         build = self._for(inputs, labels)
         self._check_labels(build, labels)
         i = self._micro_step(state, "Optimizer.step")
+        if (state.grad_acc is None) != (self.period == 1):  # the executables would not notice
+            self.checked_state(state, "Optimizer.step")
         trainable, keys = self._split(state.params)
         ex, data = build.executables, self._data(inputs, labels, keys)
         name = "opt" if i + 1 == self.period else "grad"
@@ -488,6 +507,7 @@ class Optimizer(StateFiles, WholePeriods):
 
     def evaluate(self, state: TrainState, inputs, labels=None) -> StepOutput:
         """Forward only: the loss (and predictions) at the current params; state is unchanged."""
+        _train_state(state, "Optimizer.evaluate")
         build = self._for(inputs, labels)
         self._check_labels(build, labels)
         trainable, keys = self._split(state.params)
@@ -499,6 +519,9 @@ class Optimizer(StateFiles, WholePeriods):
         """ggml_opt_reset: zero accumulators and the counter; with `optimizer`, also `tx.init`."""
         if self._last is None:
             raise JGraphError("Optimizer.reset: call init first")
+        if not optimizer:  # the state's optimizer state is kept: it must be this Optimizer's
+            self.checked_state(state, "Optimizer.reset")
+        _train_state(state, "Optimizer.reset")
         fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0],
                           what="Optimizer.reset")
         new = state._replace(grad_acc=fresh.get("grad_acc"), counter=np.int32(0))
