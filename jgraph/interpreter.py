@@ -119,13 +119,19 @@ def flatten_args(graph: Graph, args) -> list:
     return leaves
 
 
-_KIND_ORDER = "biufc"  # bool < signed/unsigned int < float < complex: a value fits rightwards
+# bool < signed/unsigned int < float < complex: a value fits rightwards (by JAX's dtype
+# hierarchy: NumPy calls bfloat16 and the float8s kind "V")
+_KINDS = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
+
+
+def _kind(dtype) -> int:
+    return next(k for k, kind in enumerate(_KINDS) if jnp.issubdtype(dtype, kind))
 
 
 def _kind_fits(src, dst) -> bool:
     if src is None or jax.dtypes.issubdtype(dst, jax.dtypes.extended):
         return False
-    return _KIND_ORDER.index(np.dtype(src).kind) <= _KIND_ORDER.index(np.dtype(dst).kind)
+    return _kind(src) <= _kind(dst)
 
 
 def _python_scalar(x, aval, path):
