@@ -252,3 +252,17 @@ def test_fingerprints_are_the_same_in_another_process():
     there = json.loads(proc.stdout.strip().splitlines()[-1])
     assert there == json.loads(json.dumps(here))
     assert here[0]["model"]["sha256"] != here[1]["model"]["sha256"]
+
+
+def test_a_state_moves_between_a_mesh_and_none(tmp_path):
+    """A mesh puts shardings into the traced graph (the one-hot's iota of a sharded batch); the
+    fingerprint leaves placement out, as state files move between meshes of any size."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    x0, y0 = jg.Dataset(X, Y, mesh=mesh).batch(0, 8)
+    opt = jg.Optimizer(tanh_model, optax.adam(1e-2), loss="cross_entropy", mesh=mesh)
+    state = opt.init(P0, x0, y0)
+    assert "sharding=NamedSharding(mesh=" in str(opt.graphs["forward"])
+    opt.save(state, tmp_path / "mesh.jgs")
+    same_bits(loader().load(tmp_path / "mesh.jgs"), state)  # strict, on no mesh

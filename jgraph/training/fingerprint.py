@@ -6,8 +6,9 @@ where the file's computed `tanh` (same params), or adamax's state where adam's w
 `Optimizer.load(path, strict=True)` (and `fit`'s resume) refuses a file whose fingerprint differs,
 saying what differs; `strict=False` is the opt-out for deliberate transfers. Recorded:
 
-- `model`: a SHA-256 of the forward graph's printed text (memory addresses removed) and of the
-  bytes of its array constants, with a readable summary: the count of each op.
+- `model`: a SHA-256 of the forward graph's printed text (memory addresses and shardings
+  removed: a state moves between meshes) and of the bytes of its array constants, with a
+  readable summary: the count of each op.
 - `optimizer`: a description of the optax transformation read from its closures (`describe`:
   the factory functions' names and the hyperparameters they closed over, e.g.
   `chain(scale_by_adam(b1=0.9, ...), scale(step_size=-0.01))`), a SHA-256 of its update traced
@@ -41,6 +42,15 @@ _MAX_ITEMS = 32  # per container described
 _MAX_CHARS = 4000  # of a description
 _SMALL_ARRAY = 16  # arrays up to this size are described by value
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a repr's memory address differs per process
+# A state file moves between meshes of any size, or none: where values live is not what the model
+# computes, so sharding params are left out (`sharding=NamedSharding(mesh=AbstractMesh('data': 4,
+# axis_types=(Auto,), ...), spec=P(None,))`: the mesh first, then the one level of parentheses left)
+_MESH = re.compile(r"\b(?:Abstract)?Mesh\((?:[^()]|\([^()]*\))*\)")
+_SHARDING = re.compile(r" ?sharding=\w*Sharding\((?:[^()]|\([^()]*\))*\)")
+
+
+def _placement_free(text: str) -> str:
+    return _SHARDING.sub("", _MESH.sub("Mesh", _ADDRESS.sub("", text)))
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -71,7 +81,7 @@ def _op_counts(graph: Graph, counts: collections.Counter) -> collections.Counter
 
 def graph_digest(graph: Graph) -> str:
     """SHA-256 of `str(graph)` (addresses removed) and of its array constants' bytes."""
-    digest = hashlib.sha256(_ADDRESS.sub("", str(graph)).encode())
+    digest = hashlib.sha256(_placement_free(str(graph)).encode())
     for lit in _literals(graph):
         try:
             digest.update(np.ascontiguousarray(lit.value).tobytes())
