@@ -166,6 +166,27 @@ def probes(tmp):
         ("fit: a label out of range in the last batch",
          fit_probe(tmp, dataset=jg.Dataset(X, np.concatenate([Y[:-1], [7]]).astype(np.int32))),
          r"got 7 at index 31"),
+        # paths and datasets given to save and load
+        ("save: under a regular file", lambda: started()[0].save(started()[1],
+                                                                 tmp / "regular" / "s.jgs"),
+         r"cannot write state file .*regular/s.jgs'"),
+        ("save: to a folder", lambda: started()[0].save(started()[1], tmp),
+         r"Optimizer.save: .* is a folder, not a file path"),
+        ("save: path None", lambda: started()[0].save(started()[1], None),
+         r"Optimizer.save: path must be a str or an os.PathLike, got NoneType"),
+        ("save: dataset an array", lambda: started()[0].save(started()[1], tmp / "d.jgs",
+                                                             dataset=np.arange(3)),
+         r"Optimizer.save: dataset must be a jg.Dataset, got ndarray"),
+        ("load: path an int", lambda: started()[0].load(3),
+         r"path must be a str or an os.PathLike"),
+        ("load: dataset an array", lambda: started()[0].load(tmp / "x", dataset=np.arange(3)),
+         r"Optimizer.load: dataset must be a jg.Dataset"),
+        ("load: extra not a bool", lambda: started()[0].load(tmp / "x", extra="yes"),
+         r"extra must be True or False"),
+        ("reset: optimizer not a bool", lambda: (lambda o, s: o.reset(s, optimizer="yes"))(
+            *started()), r"Optimizer.reset: optimizer must be True or False"),
+        ("grad_acc: not a TrainState", lambda: started()[0].grad_acc({"w": 1}),
+         r"Optimizer.grad_acc: expected a TrainState"),
         # item 5: checkpoint paths
         ("fit: checkpoint under a regular file", fit_probe(
             tmp, checkpoint_path=tmp / "regular" / "c.jgs"), r"cannot be written"),

@@ -519,6 +519,9 @@ class Optimizer(StateFiles, WholePeriods):
         """ggml_opt_reset: zero accumulators and the counter; with `optimizer`, also `tx.init`."""
         if self._last is None:
             raise JGraphError("Optimizer.reset: call init first")
+        if not isinstance(optimizer, bool):
+            raise ArgumentError(f"Optimizer.reset: optimizer must be True or False, got "
+                                f"{optimizer!r}")
         if not optimizer:  # the state's optimizer state is kept: it must be this Optimizer's
             self.checked_state(state, "Optimizer.reset")
         _train_state(state, "Optimizer.reset")
@@ -530,6 +533,7 @@ class Optimizer(StateFiles, WholePeriods):
     def grad_acc(self, state: TrainState):
         """The accumulated gradients (None when the period is 1: there are no accumulators); on
         a mesh, the sum of the per-device accumulators."""
+        _train_state(state, "Optimizer.grad_acc")
         if self.plan is None or state.grad_acc is None:
             return state.grad_acc
         return self._last.steps.summed(state.grad_acc)

@@ -133,8 +133,12 @@ class StateFiles:
 
         The state is checked first (a donated, foreign or malformed state raises
         `ArgumentError` and writes nothing); `extra` is any JSON-serialisable value."""
-        from jgraph.training.state_io import save_state
+        from jgraph.training.state_io import as_path, dataset_order, save_state
 
+        path = as_path(path, "Optimizer.save")  # checked by every process (only 0 writes)
+        if path.is_dir():
+            raise ArgumentError(f"Optimizer.save: {str(path)!r} is a folder, not a file path")
+        dataset_order(dataset, "Optimizer.save")
         state = self.checked_state(state)
         meta = {**self.settings(), "fingerprint": self.fingerprint()}
         if self.plan is None:
@@ -152,10 +156,13 @@ class StateFiles:
         file must have been written by the same setup (model, optimizer, loss, period, batch
         shapes: its fingerprint); `strict=False` accepts another one whose state has the same
         structure and shapes (a deliberate transfer)."""
-        from jgraph.training.state_io import StateFileError, read_state
+        from jgraph.training.state_io import StateFileError, dataset_order, read_state
 
-        if not isinstance(strict, bool):
-            raise ArgumentError(f"Optimizer.load: strict must be True or False, got {strict!r}")
+        for name, value in (("strict", strict), ("extra", extra)):
+            if not isinstance(value, bool):
+                raise ArgumentError(f"Optimizer.load: {name} must be True or False, got "
+                                    f"{value!r}")
+        dataset_order(dataset, "Optimizer.load")
         template = self._file_template("load")
         nshards = None if dataset is None else dataset.nshards
         on_host = self.plan is not None

@@ -66,6 +66,11 @@ class StateFileError(JGraphError):
     """A state file is missing, truncated, altered, of another version or of another state."""
 
 
+class StateWriteError(StateFileError, OSError):
+    """A state file could not be written (the folder, permissions, a full disk); the cause is
+    chained, and the previous file at the path, if any, is intact."""
+
+
 class StateFileWarning(UserWarning):
     """A state file was read without a check it could not carry (an old version's file)."""
 
@@ -127,6 +132,23 @@ def remove_stale_temporaries(path) -> int:
     return removed
 
 
+def as_path(path, what: str) -> Path:
+    """`path` as a `Path`; `ArgumentError` unless it is a str or an os.PathLike."""
+    if not isinstance(path, str | os.PathLike):
+        raise ArgumentError(f"{what}: path must be a str or an os.PathLike, got "
+                            f"{type(path).__name__}")
+    return Path(path)
+
+
+def dataset_order(dataset, what: str):
+    """The shard order of `dataset` (a `jg.Dataset`), or None."""
+    from jgraph.training.dataset import Dataset
+
+    if dataset is not None and not isinstance(dataset, Dataset):
+        raise ArgumentError(f"{what}: dataset must be a jg.Dataset, got {type(dataset).__name__}")
+    return None if dataset is None else dataset.permutation
+
+
 def _temporary(path: Path) -> Path:
     """A fresh temporary next to `path`, named so that `remove_stale_temporaries` knows it."""
     return path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
@@ -157,12 +179,16 @@ def check_writable(path, what: str) -> Path:
 
 
 def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
-    """Write `state` (and `dataset.permutation`) to `path` atomically."""
-    path = Path(path)
+    """Write `state` (and `dataset.permutation`) to `path` atomically. What cannot be saved is an
+    `ArgumentError`; a failed write is a `StateWriteError` (an `OSError` too)."""
+    path = as_path(path, "save")
+    if path.is_dir():
+        raise ArgumentError(f"save: {str(path)!r} is a folder, not a file path")
+    order = dataset_order(dataset, "save")
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     named = [(jax.tree_util.keystr(p), leaf) for p, leaf in flat]
-    if dataset is not None:
-        named.append(("dataset", dataset.permutation))
+    if order is not None:
+        named.append(("dataset", order))
     entries, chunks, offset = [], [], 0
     for name, leaf in named:
         entry, raw = _leaf_bytes(name, leaf)
@@ -175,6 +201,13 @@ def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
     except (TypeError, ValueError) as e:
         raise ArgumentError(f"save: `extra` must be JSON-serialisable: {e}") from e
     check_header(parse_header(header, path), offset, path)  # never write what load refuses
+    try:
+        _write(path, header, chunks)
+    except OSError as e:
+        raise StateWriteError(f"cannot write state file {str(path)!r}: {e}") from e
+
+
+def _write(path: Path, header: bytes, chunks) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = _temporary(path)
@@ -273,7 +306,7 @@ def check_header(header: dict, payload_bytes: int, path) -> None:
 def read_state_file(path) -> tuple[dict, dict[str, np.ndarray]]:
     """Verify `path` and return (header, {leaf path: array}); typed keys come back as keys. The
     header also holds the file's format version as `header["version"]`."""
-    path = Path(path)
+    path = as_path(path, "load")
     try:
         blob = path.read_bytes()
     except OSError as e:
