@@ -204,6 +204,9 @@ def test_the_description_shows_hyperparameters_and_schedules():
         assert part in text, text
     assert describe(tx) == text and " at 0x" not in text
     assert describe(optax.MultiSteps(optax.sgd(0.1), 4)).startswith("MultiSteps(")
+    # inject_hyperparams keeps its numbers in the state; its init closure shows where they start
+    injected = describe(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3))
+    assert "'learning_rate': 0.001" in injected, injected
     cyclic = [optax.sgd(0.1)]
     cyclic.append(cyclic)
     assert describe(cyclic) == "(chain(identity(), scale(step_size=-0.1)), ...)"

@@ -112,6 +112,25 @@ def _closure(fn) -> dict:
     return out
 
 
+def _plain_values(tx) -> dict:
+    """What `tx.init` closed over and `tx.update` did not, when it is plain data (the numeric
+    hyperparameters `optax.inject_hyperparams` puts into the state); functions are left out
+    (a chain's `init_fns` repeat what its update functions show)."""
+    if not (inspect.isfunction(tx.init) and inspect.isfunction(tx.update)):
+        return {}
+    seen = _closure(tx.update)
+    return {k: v for k, v in _closure(tx.init).items() if k not in seen and _plain(v)}
+
+
+def _plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(_plain(v) for v in value.values())
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | complex | str | np.generic
+                                       | np.ndarray | jax.Array)
+
+
 def _factory(fn) -> str:
     """`scale_by_adam` for `scale_by_adam.<locals>.update_fn`; the qualname otherwise."""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", type(fn).__name__)
@@ -149,8 +168,8 @@ class _Describer:
         if isinstance(obj, np.ndarray | jax.Array):
             return _array(obj)
         if _is_transformation(obj):
-            if isinstance(obj, tuple):  # optax's GradientTransformation: its update's closure
-                return self(obj.update, depth)
+            if isinstance(obj, tuple):  # optax's GradientTransformation: its update's closure,
+                return self._function(obj.update, depth, _plain_values(obj))  # and init's data
             return self._instance(obj, depth)
         if isinstance(obj, dict):
             keys = sorted(obj, key=repr)
@@ -173,8 +192,10 @@ class _Describer:
             return _factory(obj)
         return self._instance(obj, depth)
 
-    def _function(self, fn, depth) -> str:
-        closure = _closure(fn)
+    def _function(self, fn, depth, extra=None) -> str:
+        closure = {**_closure(fn), **(extra or {})} if inspect.isfunction(fn) else None
+        if closure is None:
+            return self(fn, depth)
         inner = [v for v in closure.values() if _is_transformation(v)]
         if len(closure) == 1 and len(inner) == 1:  # a wrapper (optax's extra-args support)
             return self(inner[0], depth)
