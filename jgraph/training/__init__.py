@@ -10,10 +10,11 @@ from jgraph.training.optimizer import Optimizer, StepOutput, TrainState
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.reset import first_micro_step, reset
 from jgraph.training.result import Result
-from jgraph.training.state_io import StateFileError, StateFileWarning
+from jgraph.training.state_io import StateFileError, StateFileWarning, StateWriteError
 
 __all__ = [
     "ArgumentError", "CheckpointError", "Dataset", "History", "NonFiniteError", "Optimizer",
-    "Result", "StateFileError", "StateFileWarning", "StepOutput", "TrainState", "accumulate",
+    "Result", "StateFileError", "StateFileWarning", "StateWriteError", "StepOutput", "TrainState",
+    "accumulate",
     "epoch", "first_micro_step", "fit", "guard_nonfinite", "optimizer_step", "reset",
 ]
