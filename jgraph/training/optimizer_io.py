@@ -71,7 +71,7 @@ class StateFiles:
             warnings.warn(f"{path} has state file format version 2, which records no "
                           f"fingerprint of the model and optimizer that wrote it: loaded "
                           f"without checking where it came from (save it again to add one)",
-                          StateFileWarning, stacklevel=4)
+                          StateFileWarning, stacklevel=5)  # at the caller of load
             return
         if not strict:
             return
