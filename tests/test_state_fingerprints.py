@@ -7,9 +7,11 @@ compare the file's fingerprint and say what differs; `strict=False` transfers on
 the previous format version (no fingerprint) still load, with a warning.
 """
 
+import functools
 import json
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -186,11 +188,20 @@ def test_a_file_without_a_fingerprint_needs_strict_false(tmp_path):
     ({"version": 1, "model": [], "optimizer": 7}, "optimizer: the file records no readable"),
 ])
 def test_hostile_fingerprints_are_clear_errors(tmp_path, fingerprint, pattern):
-    state, path = saved(tmp_path)
-    header, _ = read_state_file(path)
-    save_state(path, state, meta={**header["meta"], "fingerprint": fingerprint})
+    state, meta, opt = default_setup()
+    path = tmp_path / "hostile.jgs"
+    save_state(path, state, meta={**meta, "fingerprint": fingerprint})
     with pytest.raises(StateFileError, match=pattern):
-        loader().load(path)
+        opt.load(path)
+
+
+@functools.cache
+def default_setup():
+    """A saved state's leaves and meta, and an Optimizer of the same setup (built once)."""
+    with tempfile.TemporaryDirectory() as folder:
+        state, path = saved(Path(folder))
+        header, _ = read_state_file(path)
+    return jax.tree.map(np.asarray, state), header["meta"], loader()
 
 
 def test_the_description_shows_hyperparameters_and_schedules():
