@@ -104,7 +104,13 @@ def flatten_args(graph: Graph, args) -> list:
     for k, (x, v) in enumerate(zip(leaves, graph.inputs, strict=True)):
         if isinstance(x, (bool, int, float, complex)) and v.aval.shape == ():
             leaves[k] = _python_scalar(x, v.aval, lambda: _leaf_path(args, k))
-        elif getattr(jax.typeof(x), "weak_type", False) and np.shape(x) == v.aval.shape \
+            continue
+        try:
+            aval = jax.typeof(x)
+        except TypeError:  # a string, an object: JAX's own message would not say where
+            raise JGraphError(f"argument {_leaf_path(args, k)} is {_describe(x)}, not an array; "
+                              f"the traced signature has {short_aval(v.aval)} there") from None
+        if getattr(aval, "weak_type", False) and np.shape(x) == v.aval.shape \
                 and _kind_fits(_dtype(x), v.aval.dtype):
             leaves[k] = jax.lax.convert_element_type(x, v.aval.dtype)  # a Python scalar, jitted
         elif np.shape(x) != v.aval.shape or _dtype(x) != v.aval.dtype:
@@ -113,18 +119,26 @@ def flatten_args(graph: Graph, args) -> list:
     return leaves
 
 
-_KIND_ORDER = "biufc"  # bool < signed/unsigned int < float < complex: a value fits rightwards
+# bool < signed/unsigned int < float < complex: a value fits rightwards (by JAX's dtype
+# hierarchy: NumPy calls bfloat16 and the float8s kind "V")
+_KINDS = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
+
+
+def _kind(dtype) -> int:
+    return next(k for k, kind in enumerate(_KINDS) if jnp.issubdtype(dtype, kind))
 
 
 def _kind_fits(src, dst) -> bool:
     if src is None or jax.dtypes.issubdtype(dst, jax.dtypes.extended):
         return False
-    return _KIND_ORDER.index(np.dtype(src).kind) <= _KIND_ORDER.index(np.dtype(dst).kind)
+    return _kind(src) <= _kind(dst)
 
 
 def _python_scalar(x, aval, path):
     value = np.asarray(x)
-    if not _kind_fits(value.dtype, aval.dtype):
+    # a bool is not weakly typed in JAX (`jax.jit` refuses True for an int): neither here
+    if not _kind_fits(value.dtype, aval.dtype) or (isinstance(x, bool)
+                                                  and value.dtype != aval.dtype):
         raise JGraphError(f"argument {path()} is the Python {type(x).__name__} {x!r} but the "
                           f"traced signature has {short_aval(aval)} there (no silent conversion)")
     if np.dtype(aval.dtype).kind in "iu":
@@ -166,7 +180,8 @@ def _describe(x) -> str:
         weak = " (weakly typed: a Python scalar)" if getattr(aval, "weak_type", False) else ""
         return short_aval(aval) + weak
     except TypeError:
-        return f"{type(x).__name__} {x!r}"
+        text = repr(x)
+        return f"a {type(x).__name__} ({text[:40] + '...' if len(text) > 40 else text})"
 
 
 def unflatten_outputs(graph: Graph, flat):

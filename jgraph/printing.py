@@ -70,7 +70,8 @@ def _graphs_in(value) -> list:
 
 def format_param(value) -> str:
     if isinstance(value, Graph):  # one-line form (error messages); str(graph) nests it in full
-        return f"{{ lambda {len(value.inputs)} inputs, {len(value.eqns)} eqns }}"
+        count = lambda xs: len(xs) if isinstance(xs, tuple | list) else "?"  # noqa: E731
+        return f"{{ lambda {count(value.inputs)} inputs, {count(value.eqns)} eqns }}"
     if isinstance(value, tuple) and value and all(isinstance(v, Graph) for v in value):
         return f"({', '.join(map(format_param, value))})"
     if _is_jaxpr(value):
@@ -278,6 +279,11 @@ def _graph_lines(graph: Graph, name: _Namer, roles: bool = True) -> list[str]:
 
 
 def format_graph(graph: Graph) -> str:
+    """`str(graph)`; a graph whose fields do not have the IR's types (a hand-built one) raises
+    `GraphError` naming the field instead (`repr(graph)` still shows it as it is)."""
+    from jgraph.check import check_fields
+
+    check_fields(graph, deep=True)
     return "\n".join(_graph_lines(graph, _Namer()))
 
 

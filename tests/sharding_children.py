@@ -9,8 +9,11 @@ MODE `worker ID NPROC PORT OUT`: one of NPROC processes of a `jax.distributed` r
 loopback address (2 host devices each, CPU collectives): trains on the global mesh and saves the
 final states (process 0 writes them) to OUT.
 
-Every child arms a watchdog (`faulthandler.dump_traceback_later(exit=True)`): a child that hangs
-(a peer that died inside a collective) ends by itself; the parent also kills it at its timeout.
+Hang protection is not a speed test: every line a child prints is progress. The child's
+watchdog (`faulthandler.dump_traceback_later(exit=True)`) is re-armed at every report and at the
+start of every check (a `# check ...` line), so a child that hangs (a peer that died inside a
+collective) dumps its stack and ends after JGRAPH_CHILD_STALL seconds without progress, however
+long a loaded machine makes the whole run; the parent kills it only after a longer silence.
 """
 
 import faulthandler
@@ -22,7 +25,16 @@ DEVICES = {"suite": 8, "suite-slow": 8, "worker": 2}[sys.argv[1]]
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={DEVICES}")
 os.environ["JAX_PLATFORMS"] = "cpu"
-faulthandler.dump_traceback_later(float(os.environ.get("JGRAPH_CHILD_TIMEOUT", "240")), exit=True)
+STALL = float(os.environ.get("JGRAPH_CHILD_STALL", "540"))  # seconds without progress
+
+
+def progress(text: str) -> None:
+    """A line of progress (ignored by the parent's parser), and the watchdog re-armed."""
+    print(f"# {text}", flush=True)
+    faulthandler.dump_traceback_later(STALL, exit=True)
+
+
+faulthandler.dump_traceback_later(STALL, exit=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -69,6 +81,7 @@ def same_bits(a, b) -> bool:
 
 def report(name, **figures):
     print(json.dumps({"name": name, **figures}), flush=True)
+    faulthandler.dump_traceback_later(STALL, exit=True)  # progress: the watchdog starts again
 
 
 REFERENCES = {}
@@ -287,45 +300,49 @@ def check_errors():
 def suite(slow: bool):
     import tempfile
 
+    def run(check, *args, **kw):
+        progress(f"check {check.__name__}{args}{kw or ''}")
+        check(*args, **kw)
+
     periods, ks = (1, 4), (1, 2, 4, 8)
     if slow:
         for period in periods:
             for k in ks:
-                check_equal(k, period)
-                check_equal(k, period, remat=True)
-                check_equal(k, period, fsdp=True)
-                check_equal(k, period, remat=True, fsdp=True)
+                run(check_equal, k, period)
+                run(check_equal, k, period, remat=True)
+                run(check_equal, k, period, fsdp=True)
+                run(check_equal, k, period, remat=True, fsdp=True)
         return
     for k, period in ((1, 1), (2, 4), (4, 1), (8, 1), (8, 4)):  # every k, both periods
-        check_equal(k, period)
-    check_equal(8, 4, remat=True)
-    check_equal(8, 1, remat=True)
-    check_equal(4, 4, fsdp=True)
-    check_equal(8, 1, fsdp=True)
-    check_equal(8, 4, remat=True, fsdp=True)
-    check_hlo()
-    check_constraint()
+        run(check_equal, k, period)
+    run(check_equal, 8, 4, remat=True)
+    run(check_equal, 8, 1, remat=True)
+    run(check_equal, 4, 4, fsdp=True)
+    run(check_equal, 8, 1, fsdp=True)
+    run(check_equal, 8, 4, remat=True, fsdp=True)
+    run(check_hlo)
+    run(check_constraint)
     with tempfile.TemporaryDirectory() as tmp:
-        check_save_load(tmp)
-        check_fit_resume(tmp)
-    check_fit()
-    check_keys()
-    check_step_period()
-    check_nonfinite()
-    check_errors()
+        run(check_save_load, tmp)
+        run(check_fit_resume, tmp)
+    for check in (check_fit, check_keys, check_step_period, check_nonfinite, check_errors):
+        run(check)
 
 
 # -- multi-process ------------------------------------------------------------------------------
 def worker(process_id: int, nprocs: int, port: int, out: str):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", nprocs, process_id,
-                               initialization_timeout=60, heartbeat_timeout_seconds=30,
-                               shutdown_timeout_seconds=30)
+                               # generous: a loaded machine is slow, not dead (a dead peer
+                               # ends the run by the watchdog, or by these, later)
+                               initialization_timeout=180, heartbeat_timeout_seconds=120,
+                               shutdown_timeout_seconds=180)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     report("worker", process=jax.process_index(), devices=len(jax.devices()),
            local=len(jax.local_devices()))
     ds = jg.Dataset(X, Y, mesh=mesh)
     for period in (1, 4):
+        progress(f"worker {jax.process_index()} period {period}")
         opt = jg.Optimizer(model, TX, loss="cross_entropy", period=period, mesh=mesh,
                            remat=True)
         state = opt.init(P0, *ds.batch(0, BATCH))

@@ -22,6 +22,7 @@ import hashlib
 import re
 import struct
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -37,7 +38,7 @@ from properties import assert_bitwise, examples
 import jgraph as jg
 from jgraph import ops
 from jgraph.ir import Literal, Var
-from jgraph.training import StateFileError
+from jgraph.training import StateFileError, StateFileWarning
 from jgraph.training.state_io import MAGIC
 
 HERE = re.escape(Path(__file__).name) + r":\d+"
@@ -368,7 +369,8 @@ def _corrupt(kind, data, blob):
         return blob[:at] + data.draw(st.binary(min_size=1, max_size=8)) + blob[at:]
     if kind == "version":
         fields = bytearray(body)
-        struct.pack_into("<I", fields, len(MAGIC), data.draw(st.integers(0, 2**32 - 1)))
+        version = data.draw(st.integers(0, 2**32 - 1) | st.just(2))  # 2 loads, with a warning
+        struct.pack_into("<I", fields, len(MAGIC), version)
         return _reseal(bytes(fields))
     if kind == "edit_header":  # any byte of the JSON header, resealed: the checksum is intact
         hlen = struct.unpack_from("<Q", blob, len(MAGIC) + 4)[0]
@@ -398,11 +400,16 @@ def test_corrupt_state_files_raise_and_leave_the_state_alone(kind, data):
     ds = jg.Dataset(np.arange(12))
     before, order = jax.tree.map(np.array, opt.latest_state), ds.permutation.copy()
     try:
-        loaded = opt.load(path, dataset=ds)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = opt.load(path, dataset=ds)
     except StateFileError as e:
         assert str(e)
         assert_bitwise(opt.latest_state, before)
         np.testing.assert_array_equal(ds.permutation, order)
         return
-    assert kind == "edit_header", "a corrupt file loaded"
+    relabelled = kind == "version" and struct.unpack_from("<I", path.read_bytes(),
+                                                          len(MAGIC))[0] == 2  # the old version
+    assert kind == "edit_header" or relabelled, "a corrupt file loaded"
+    assert relabelled == any(issubclass(w.category, StateFileWarning) for w in caught)
     assert_bitwise(loaded, before)  # an edit that changed nothing that matters (whitespace, ...)

@@ -137,10 +137,10 @@ PROBES = [
      "latest_state"),
     ("save another structure", lambda: (lambda o, s: o.save(s._replace(params={"w": 1}),
                                                             "unused.jgs"))(*started()),
-     "not a state of this Optimizer"),
+     r"state of a different Optimizer: it lacks state.params\['v'\]"),
     ("save a wrong shape", lambda: (lambda o, s: o.save(s._replace(
         params={**s.params, "v": jnp.zeros((6, 4))}), "unused.jgs"))(*started()),
-     r"state.params\['v'\] is float32\[6, 4\], expected float32\[6, 3\]"),
+     r"state.params\['v'\] is float32\[6, 4\], this Optimizer's is float32\[6, 3\]"),
     ("save extra not JSON", lambda: (lambda o, s: o.save(s, "unused.jgs", extra=object()))(
         *started()), "extra` must be JSON-serialisable"),
 ]

@@ -3,10 +3,12 @@
 JAX fixes its device count at start, so the checks on 2, 4 and 8 devices run in children started
 with forced host devices (`sharding_children.py`): one child runs the whole suite (meshes of 1, 2,
 4 and 8 of its 8 devices) and reports figures that the tests below assert; two more are the two
-processes of a `jax.distributed` run on the loopback address. Every child has a watchdog and a
-timeout, so none can hang the suite. References: the same training without a mesh (one device),
-which runs here, in the test process. `-m slow` adds the full matrix (remat x FSDP x devices x
-period).
+processes of a `jax.distributed` run on the loopback address. No child can hang the suite, and
+none is timed: every line a child prints is progress, its own watchdog ends it after
+`CHILD_STALL` seconds without any, and the parent kills it after `PARENT_STALL` (`watch`), so a
+loaded machine makes the run slower, never red. References: the same training without a mesh
+(one device), which runs here, in the test process. `-m slow` adds the full matrix (remat x FSDP
+x devices x period).
 """
 
 import json
@@ -14,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,22 +36,79 @@ ROOT = HERE.parent
 RTOL = 1e-6
 
 
-def _env(timeout: float) -> dict:
+CHILD_STALL = 540  # seconds without a line of progress before a child dumps its stack and ends
+PARENT_STALL = CHILD_STALL + 120  # ... and before the parent kills it (the child speaks first)
+
+
+def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
-            "JAX_PLATFORMS": "cpu", "JGRAPH_CHILD_TIMEOUT": str(timeout)}
+            "JAX_PLATFORMS": "cpu", "JGRAPH_CHILD_STALL": str(CHILD_STALL)}
 
 
-def run_child(mode: str, timeout: float = 240) -> dict:
-    """Run `sharding_children.py mode`; its reports by name."""
+def watch(procs, stall: float, what: str) -> list[tuple[str, str]]:
+    """`(stdout, stderr)` of each process once all have ended. Their output is read as it comes;
+    they are killed (and the test fails) only when none has printed a line for `stall` seconds:
+    hang protection, not a time limit."""
+    last = [time.monotonic()]
+    outputs = [([], []) for _ in procs]
+
+    def read(stream, lines):
+        for line in stream:
+            lines.append(line)
+            last[0] = time.monotonic()
+
+    readers = [threading.Thread(target=read, args=(stream, lines), daemon=True)
+               for proc, pair in zip(procs, outputs, strict=True)
+               for stream, lines in zip((proc.stdout, proc.stderr), pair, strict=True)]
+    for reader in readers:
+        reader.start()
     try:
-        proc = subprocess.run([sys.executable, str(HERE / "sharding_children.py"), mode],
-                              capture_output=True, text=True, env=_env(timeout - 10), cwd=ROOT,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"sharding child {mode!r} ran over {timeout} s:\n{(e.stderr or '')[-3000:]}")
-    assert proc.returncode == 0, f"sharding child {mode!r} failed:\n{proc.stderr[-4000:]}"
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r.pop("name"): r for r in reports}
+        while any(proc.poll() is None for proc in procs):
+            if time.monotonic() - last[0] > stall:
+                tail = "".join(outputs[0][1])[-3000:]
+                pytest.fail(f"{what} printed nothing for {stall:.0f} s (hung); its last "
+                            f"stderr:\n{tail}")
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+    return [("".join(out), "".join(err)) for out, err in outputs]
+
+
+def spawn(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "sharding_children.py"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT)
+
+
+def reports(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def run_child(mode: str) -> dict:
+    """Run `sharding_children.py mode`; its reports by name."""
+    proc = spawn(mode)
+    ((out, err),) = watch([proc], PARENT_STALL, f"sharding child {mode!r}")
+    assert proc.returncode == 0, f"sharding child {mode!r} failed:\n{err[-4000:]}"
+    return {r.pop("name"): r for r in reports(out)}
+
+
+def test_watch_stops_a_silent_child_not_a_slow_one():
+    """Progress, not speed: a child that talks every 0.4 s runs past the 2.5 s stall limit; a
+    silent one is killed after it (and the test fails saying so)."""
+    talk = "import time\nfor i in range(8):\n    print(i, flush=True)\n    time.sleep(0.4)"
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", talk], **pipes)
+    ((out, _),) = watch([proc], 2.5, "a talking child")
+    assert out.split() == [str(i) for i in range(8)] and proc.returncode == 0
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], **pipes)
+    with pytest.raises(pytest.fail.Exception, match="a silent child printed nothing for 1 s"):
+        watch([silent], 1.0, "a silent child")
+    assert silent.returncode is not None  # killed, not left behind
 
 
 @pytest.fixture(scope="module")
@@ -249,9 +309,9 @@ def test_errors_on_a_mesh(suite):
 
 @pytest.mark.slow
 def test_full_matrix_equals_the_single_device_run():
-    reports = run_child("suite-slow", timeout=900)
-    assert len(reports) == 2 * 4 * 4
-    for name, r in reports.items():
+    found = run_child("suite-slow")
+    assert len(found) == 2 * 4 * 4
+    for name, r in found.items():
         assert r["rel"] <= RTOL and r["specs_kept"], (name, r)
 
 
@@ -265,26 +325,13 @@ def free_port() -> int:
 def test_two_processes_equal_the_single_process_run(tmp_path):
     """`jax.distributed` with 2 processes x 2 host devices (gloo collectives): their run, saved by
     `Optimizer.save` (gathered, written by process 0), equals the run without a mesh here."""
-    port, timeout = free_port(), 200
-    procs = [subprocess.Popen([sys.executable, str(HERE / "sharding_children.py"), "worker",
-                               str(i), "2", str(port), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(timeout - 20), cwd=ROOT) for i in range(2)]
-    deadline, outputs = time.monotonic() + timeout, []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the distributed run did not end within {timeout} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    port = free_port()
+    procs = [spawn("worker", i, 2, port, tmp_path) for i in range(2)]
+    outputs = watch(procs, PARENT_STALL, "the distributed run")
     for proc, (out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-4000:]
-        reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert reports[0]["devices"] == 4 and reports[0]["local"] == 2, reports
+        found = reports(out)
+        assert found[0]["devices"] == 4 and found[0]["local"] == 2, found
     for period in (1, 4):
         ref_opt = jg.Optimizer(model, TX, loss="cross_entropy", period=period, remat=True)
         ref, ref_losses = train(ref_opt, 8 * period)

@@ -17,7 +17,7 @@ import pytest
 
 import jgraph as jg
 from jgraph.training import NonFiniteError, StateFileError, guard_nonfinite
-from jgraph.training.state_io import MAGIC
+from jgraph.training.state_io import FORMAT_VERSION, MAGIC
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(48, 5)).astype(np.float32)
@@ -249,7 +249,7 @@ def rewrite_extra(path, change):
     header = json.loads(blob[fixed:fixed + hlen])
     change(header["extra"]["fit"])
     raw = json.dumps(header).encode()
-    body = MAGIC + struct.pack("<IQ", 2, len(raw)) + raw + blob[fixed + hlen:-32]
+    body = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(raw)) + raw + blob[fixed + hlen:-32]
     path.write_bytes(body + hashlib.sha256(body).digest())
 
 
@@ -258,7 +258,10 @@ def test_a_checkpoint_of_another_run_or_a_malformed_one_is_refused(tmp_path):
     jg.fit(model, P0, jg.Dataset(X, Y), epochs=1, checkpoint_path=path, **KW)
     blob = path.read_bytes()
     cases = [
-        (dict(batch_size=16, physical_batch_size=8), r"config.batch_size is 8, this run has 16"),
+        (dict(batch_size=16, physical_batch_size=8),
+         r"batch: the file's is inputs float32\[4, 5\]; labels int32\[4\], this Optimizer's is "
+         r"inputs float32\[8, 5\]"),
+        (dict(val_split=0.5), r"config.val_split is 0.25, this run has 0.5"),
         (dict(physical_batch_size=8), r"meta.period is 2, this Optimizer has 1"),
         (dict(key=jax.random.PRNGKey(4)), r"config.key"),
         (dict(loss="mse", dataset=jg.Dataset(X, np.eye(3, dtype=np.float32)[Y])),

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from jgraph.testing.families import FAMILIES, Family, Proposal, register
 from jgraph.testing.grads import check_grads
+from jgraph.testing.options import TestingOptionError
 from jgraph.testing.recipe import Chooser, Recipe, Slot
 
-__all__ = ["FAMILIES", "Chooser", "Family", "Proposal", "Recipe", "Slot", "check_grads",
-           "graphs", "programs", "recipes", "register"]
+__all__ = ["FAMILIES", "Chooser", "Family", "Proposal", "Recipe", "Slot", "TestingOptionError",
+           "check_grads", "graphs", "programs", "recipes", "register"]
 
 
 def graphs(**options):
@@ -36,5 +37,7 @@ def programs(**options):
 def recipes(**options):
     """Hypothesis strategy of `Recipe`s (see `jgraph.testing.strategies.recipes`)."""
     from jgraph.testing import strategies
+    from jgraph.testing.options import known_options
 
+    known_options(options, "jg.testing.recipes")
     return strategies.recipes(**options)

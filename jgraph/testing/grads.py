@@ -10,6 +10,9 @@ All floating leaves of all arguments are differentiated; other leaves are held f
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +20,7 @@ import numpy as np
 from jgraph.backward import backward
 from jgraph.errors import JGraphError
 from jgraph.lower import compile as compile_graph
+from jgraph.testing.options import TestingOptionError, count
 from jgraph.trace import trace
 
 _EPS = 1e-4  # central-difference step in float64: error ~ eps**2 * f''' stays below tolerance
@@ -62,11 +66,30 @@ def _jgraph_grad(scalar_fn, floats):
 
 def check_grads(fn, args, order: int = 1, eps=None, rtol=None, atol=None, seed: int = 0):
     """Raise AssertionError unless jgraph's derivatives of `fn` up to `order` match finite
-    differences (in float64) along random directions."""
-    if order < 1:
-        raise JGraphError(f"check_grads: order must be >= 1, got {order}")
+    differences (in float64) along random directions. `args` is the tuple of `fn`'s arguments;
+    `eps` (the finite-difference step), `rtol` and `atol` default to 1e-4, 1e-5 and 1e-5; a bad
+    argument raises `TestingOptionError` naming it."""
+    if not callable(fn):
+        raise TestingOptionError(f"check_grads: fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, tuple | list):
+        raise TestingOptionError(f"check_grads: args must be the tuple of fn's arguments, got "
+                                 f"{type(args).__name__} (for one argument x, write (x,))")
+    order = count(order, "check_grads: order", 1, 8)  # each order nests a backward: 8 is hours
+    eps = _EPS if eps is None else _real(eps, "eps", positive=True)
+    rtol = _TOL if rtol is None else _real(rtol, "rtol")
+    atol = _TOL if atol is None else _real(atol, "atol")
+    seed = count(seed, "check_grads: seed", 0, 2**63 - 1)
     with jax.enable_x64(True):  # float64 whatever the user's setting
-        _check_grads(fn, args, order, eps or _EPS, rtol or _TOL, atol or _TOL, seed)
+        _check_grads(fn, args, order, eps, rtol, atol, seed)
+
+
+def _real(value, name: str, positive: bool = False) -> float:
+    """A finite float >= 0 (> 0 with `positive`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
+            value) or value < 0 or (positive and value == 0):
+        want = "a finite number > 0" if positive else "a finite number >= 0"
+        raise TestingOptionError(f"check_grads: {name} must be {want}, got {value!r}")
+    return float(value)
 
 
 def _check_grads(fn, args, order, eps, rtol, atol, seed):

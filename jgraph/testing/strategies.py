@@ -16,7 +16,7 @@ import math
 import jax
 from hypothesis import strategies as st
 
-from jgraph.errors import JGraphError
+from jgraph.testing import options
 from jgraph.testing.build import POLICIES, Program, example_args, to_graph
 from jgraph.testing.families import FAMILIES, GROUPS, MAX_RANK, MAX_SIZE
 from jgraph.testing.recipe import (
@@ -65,29 +65,19 @@ class DrawnProgram(tuple):
         printer.text(repr(self))
 
 
-def _float_dtype(dtype) -> str:
-    if dtype is None:
-        return "float64" if jax.config.jax_enable_x64 else "float32"
-    return str(jax.numpy.dtype(dtype))
-
-
-def _families(families, loops, exclude):
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown:
-        raise JGraphError(f"jg.testing: unknown op families {unknown}; known: {sorted(FAMILIES)}")
-    return tuple(n for n in names if n not in exclude
-                 and (loops or FAMILIES[n].group != "loop"))
-
-
 def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, ranks=(0, 3), dims=(1, 3),
             families=None,
             exclude=(), regions: bool = True, names: bool = True, aux: bool = True,
             integers: bool = True, loops: bool = True):
-    """A strategy drawing `Recipe`s (see `graphs` for the options)."""
-    chosen = _families(families, loops, exclude)
-    if not integers:
-        chosen = tuple(n for n in chosen if FAMILIES[n].group != "integer")
+    """A strategy drawing `Recipe`s (see `graphs` for the options, each checked here, before
+    anything is drawn: `TestingOptionError` names a bad one)."""
+    options.float_dtype(dtype, drawing=False)
+    min_steps, max_steps = options.steps(min_steps, max_steps)
+    ranks, dims = options.shapes(ranks, dims)
+    regions, names, aux, integers, loops = (
+        options.flag(v, k) for k, v in (("regions", regions), ("names", names), ("aux", aux),
+                                         ("integers", integers), ("loops", loops)))
+    chosen = options.families(families, exclude, loops, integers)
     groups = {}  # group -> its families, in GROUPS order
     for g in GROUPS:
         if any(FAMILIES[n].group == g for n in chosen):
@@ -95,7 +85,7 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, ranks=(0, 3)
 
     @st.composite
     def draw_recipe(draw):
-        c = Chooser(draw, _float_dtype(dtype))
+        c = Chooser(draw, options.float_dtype(dtype))
         arguments, slots, param_argnums = _draw_arguments(c, integers, ranks, dims)
         steps = []
         for _ in range(2 * max_steps):  # past min_steps, a draw of 0 in [0, 7] ends the steps
@@ -119,7 +109,7 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, ranks=(0, 3)
     return draw_recipe()
 
 
-def graphs(**options):
+def graphs(**kwargs):
     """A strategy drawing `(graph, args)`: a random well-formed forward graph and example
     arguments for it. Options: `dtype` (default: float64 when x64 is on, else float32),
     `min_steps`/`max_steps` (op family applications), `ranks` and `dims` (the ranges of the
@@ -128,15 +118,17 @@ def graphs(**options):
     (`checkpoint_name`d values), `aux` (has_aux outputs), `integers` (integer and boolean side
     computations), `loops` (families of the group "loop": scan, fori_loop, cond/switch,
     while_loop; on by default)."""
-    return recipes(**options).map(lambda r: DrawnGraph(to_graph(r), example_args(r), r))
+    options.known_options(kwargs, "jg.testing.graphs")
+    return recipes(**kwargs).map(lambda r: DrawnGraph(to_graph(r), example_args(r), r))
 
 
-def programs(**options):
+def programs(**kwargs):
     """A strategy drawing `(fn, args)`: a random JAX function (its checkpoint regions are
     `jax.checkpoint`s) and example arguments; trace it with
     `jg.trace(fn, *args, param_argnums=fn.param_argnums, has_aux=fn.has_aux)` or `fn.trace()`.
     Options as for `graphs`."""
-    return recipes(**options).map(lambda r: DrawnProgram(Program(r), example_args(r)))
+    options.known_options(kwargs, "jg.testing.programs")
+    return recipes(**kwargs).map(lambda r: DrawnProgram(Program(r), example_args(r)))
 
 
 # -- the parts of a recipe -------------------------------------------------------------------------

@@ -35,6 +35,15 @@ class NonFiniteError(JGraphError, FloatingPointError):
         self.params = None
 
 
+class CheckpointError(JGraphError, OSError):
+    """`fit` could not write its checkpoint. Nothing trained is lost: `state`, `params` and
+    `history` hold the run as it was when the write failed (the cause is chained)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.state = self.history = self.params = None
+
+
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
 

@@ -5,7 +5,9 @@ Datapoints are the leading axis of `data` (and `labels`). They are grouped into 
 shard permutation decides the order: `shuffle(key, idata)` permutes all shards, or only those of
 the first `idata` datapoints (which keeps a validation tail fixed), with an explicit JAX key.
 `batch(ibatch, batch_size)` serves the `ibatch`-th block of shards; a shard stays in order.
-Sizes and indices are checked ints (`ArgumentError`); data and labels must hold numbers.
+Sizes and indices are checked ints (`ArgumentError`); data and labels must hold numbers. With
+`classes=n`, labels are class ids, checked to lie in [0, n) (an id outside makes a cross-entropy
+NaN or a one-hot row of zeros); `fit` and `Optimizer` check them against the model's outputs.
 `copy()` gives a dataset over the same arrays with its own order (what `fit` shuffles).
 
 With a `mesh`, `batch` serves global `jax.Array`s split along the mesh's `data_axis` (every
@@ -23,11 +25,24 @@ from jgraph.training.arguments import ArgumentError, integer, numeric_array, pos
 from jgraph.training.mesh import MeshPlan
 
 
+def check_class_ids(labels, nclasses: int, what: str) -> None:
+    """`ArgumentError` naming the first label outside [0, nclasses) and its index."""
+    if labels is None:
+        raise ArgumentError(f"{what}: class ids are needed (classes= was given), got no labels")
+    if labels.dtype.kind not in "iu":
+        raise ArgumentError(f"{what} must be integer class ids for {nclasses} classes, got "
+                            f"dtype {labels.dtype}")
+    if labels.size and (labels.min() < 0 or labels.max() >= nclasses):
+        at = tuple(int(i) for i in np.argwhere((labels < 0) | (labels >= nclasses))[0])
+        raise ArgumentError(f"{what} must be class ids in [0, {nclasses}); got {labels[at]} at "
+                            f"index {at[0] if len(at) == 1 else at}")
+
+
 class Dataset:
     """Data (and labels) on the host, served in batches of whole shards."""
 
     def __init__(self, data, labels=None, shard_size: int = 1, mesh=None,
-                 data_axis: str = "data"):
+                 data_axis: str = "data", classes: int | None = None):
         self.data = numeric_array(data, "Dataset: data")
         self.labels = None if labels is None else numeric_array(labels, "Dataset: labels")
         if self.data.ndim == 0 or len(self.data) == 0:
@@ -36,6 +51,9 @@ class Dataset:
                                         or len(self.labels) != len(self.data)):
             raise JGraphError(f"Dataset: {len(np.atleast_1d(self.labels))} labels for "
                               f"{len(self.data)} datapoints")
+        if classes is not None:
+            check_class_ids(self.labels, positive_int(classes, "Dataset: classes"),
+                            "Dataset: labels")
         self.shard_size = positive_int(shard_size, "Dataset: shard_size")
         if self.shard_size > len(self.data):
             raise JGraphError(f"Dataset: shard_size {self.shard_size} exceeds the "

@@ -13,7 +13,10 @@ Stopping. Ctrl-C stops `fit` at the next step boundary (a second Ctrl-C aborts a
 `NonFiniteError` naming the epoch and batch, with the last finite state attached (and written to
 `checkpoint_path`). `checkpoint_every=N` also writes the checkpoint every N optimizer steps (or
 `"epoch"`); `fit` with an existing `checkpoint_path` resumes from it and, given the same
-arguments, ends bitwise where the uninterrupted run ends.
+arguments, ends bitwise where the uninterrupted run ends. A checkpoint written by another setup
+(another model, optimizer or batch: its fingerprint differs) is refused and left as it is, unless
+`strict=False`. `checkpoint_path` is probed for writing before the first step; a write that fails
+later raises `CheckpointError` with `.state`, `.params` and `.history` attached.
 
 Many devices: `fit(..., mesh=mesh)` (or a `Dataset` made with a mesh) trains data-parallel on the
 mesh (see `Optimizer`); the physical batch must divide evenly over the mesh's `data_axis`.
@@ -22,6 +25,7 @@ Checkpoints hold full arrays, so a run may resume on a mesh of another size, or 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,7 @@ from jgraph.errors import JGraphError
 from jgraph.training.arguments import (
     NONFINITE_MODES,
     ArgumentError,
+    CheckpointError,
     NonFiniteError,
     choice,
     integer,
@@ -47,6 +52,7 @@ from jgraph.training.interrupts import StopRequest
 from jgraph.training.mesh import MeshPlan
 from jgraph.training.optimizer import Optimizer, TrainState
 from jgraph.training.result import Result
+from jgraph.training.state_io import check_writable
 
 
 def epoch(opt: Optimizer, state: TrainState, dataset: Dataset, result_train: Result | None,
@@ -234,9 +240,10 @@ class _Run:
     """One fit run: the loop over epochs, checkpoints, and the ways it stops."""
 
     def __init__(self, opt: Optimizer, ds: Dataset, plan: _Plan, epochs: int, every, path,
-                 progress: bool, callback):
+                 progress: bool, callback, strict: bool = True):
         self.opt, self.ds, self.plan, self.epochs = opt, ds, plan, epochs
         self.every, self.path, self.progress, self.callback = every, path, progress, callback
+        self.strict = strict
         self.stop = None
         self.clock = time.perf_counter()
 
@@ -245,7 +252,8 @@ class _Run:
         if self.path is not None and self.path.exists():
             from jgraph.training.state_io import StateFileError
 
-            state, extra = self.opt.load(self.path, dataset=self.ds, extra=True)
+            state, extra = self.opt.load(self.path, dataset=self.ds, extra=True,
+                                         strict=self.strict)
             if not isinstance(extra, dict) or "fit" not in extra:
                 raise StateFileError(f"{self.path}: field extra.fit is missing: a state file, "
                                      f"but not a fit checkpoint")
@@ -271,7 +279,15 @@ class _Run:
         seconds = pos.seconds + (time.perf_counter() - self.clock if pos.started else 0.0)
         snapshot = Position(**{**pos.__dict__, "history": history.to_json(),
                                "seconds": seconds})
-        self.opt.save(state, self.path, dataset=self.ds, extra={"fit": snapshot.to_json()})
+        try:
+            self.opt.save(state, self.path, dataset=self.ds, extra={"fit": snapshot.to_json()})
+        except Exception as e:  # noqa: BLE001 - whatever failed, the trained state is handed over
+            raise _attach(CheckpointError(
+                f"fit: cannot write the checkpoint {str(self.path)!r} in epoch {pos.epoch} after "
+                f"{pos.step} micro-steps ({type(e).__name__}: {e}); the state, params and history "
+                f"at that point are attached (`error.state`, `error.params`, `error.history`): "
+                f"save them elsewhere with `error.history.optimizer.save(error.state, path)`"),
+                state, history) from e
 
     def check_stop(self):
         if self.stop is not None and self.stop.requested:
@@ -359,7 +375,8 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
         batch_size: int | None = None, physical_batch_size: int | None = None,
         val_split: float = 0.0, progress: bool = True, remat=None, static: bool = True,
         key=None, callback=None, on_nonfinite: str = "raise", checkpoint_every=None,
-        checkpoint_path=None, mesh=None, data_axis: str = "data", param_sharding=None):
+        checkpoint_path=None, mesh=None, data_axis: str = "data", param_sharding=None,
+        strict: bool = True):
     """Train `fn`'s params on `dataset`; return `(params, History)` (ggml_opt_fit).
 
     `batch_size` is the logical batch (default: all data), `physical_batch_size` the micro-batch
@@ -370,7 +387,9 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
     where the state is written when the run ends or stops, and every `checkpoint_every`
     optimizer steps (or "epoch"); an existing one is resumed. `mesh`, `data_axis`,
     `param_sharding`: train on a `jax.sharding.Mesh` (default: the dataset's mesh, if any), as
-    `Optimizer` does. See the module docstring.
+    `Optimizer` does. `strict`: resume only a checkpoint written by the same setup (its
+    fingerprint: model, optimizer, loss, period, batch shapes); `strict=False` resumes another
+    one whose state has the same shapes (a deliberate transfer). See the module docstring.
     """
     if not isinstance(dataset, Dataset):
         raise ArgumentError(f"fit: dataset must be a jg.Dataset, got {type(dataset).__name__}")
@@ -379,8 +398,15 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
     plan = _plan(dataset, batch_size, physical_batch_size, val_split,
                  1 if placement is None else placement.size)
     on_nonfinite = choice(on_nonfinite, "fit: on_nonfinite", NONFINITE_MODES)
+    if not isinstance(strict, bool):
+        raise ArgumentError(f"fit: strict must be True or False, got {strict!r}")
+    if checkpoint_path is not None and not isinstance(checkpoint_path, str | os.PathLike):
+        raise ArgumentError(f"fit: checkpoint_path must be a str or a path, got "
+                            f"{type(checkpoint_path).__name__}")
     path = None if checkpoint_path is None else Path(checkpoint_path)
     every = _checkpoint_every(checkpoint_every, path)
+    if path is not None:  # before the first step (and the compile), not after the last
+        check_writable(path, "fit: checkpoint_path")
     tx = tx if tx is not None else optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8,
                                                weight_decay=0.0)
     key = key if key is not None else jax.random.PRNGKey(0)
@@ -402,6 +428,6 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
     config = {"loss": loss, "ndata": plan.ndata, "shard_size": ds.shard_size,
               "batch_size": plan.batch_size, "physical_batch_size": plan.physical,
               "val_split": float(val_split), "key": key_json}
-    run = _Run(opt, ds, plan, epochs, every, path, progress, callback)
+    run = _Run(opt, ds, plan, epochs, every, path, progress, callback, strict)
     state, pos, history = run.begin(state, key, config)
     return run.run(state, pos, history)

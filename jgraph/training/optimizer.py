@@ -56,6 +56,7 @@ from jgraph.training.arguments import (
     integer,
     positive_int,
 )
+from jgraph.training.dataset import check_class_ids
 from jgraph.training.graphs import grad_params, grads_tree, tuple_tree, with_labels
 from jgraph.training.guard import STATE_ROLES, guard_nonfinite
 from jgraph.training.interrupts import held_sigint
@@ -116,6 +117,23 @@ class _Build:
 
 _SHARED_BUILDS: dict[tuple, _Build] = {}  # see Optimizer._shared_build
 _MAX_SHARED_BUILDS = 64
+
+
+def _train_state(state, what: str) -> None:
+    if not isinstance(state, TrainState):
+        raise ArgumentError(f"{what}: expected a TrainState (from init, step or load), got "
+                            f"{type(state).__name__}")
+
+
+def _signature_text(key) -> str:
+    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in key)
+
+
+def batch_text(inputs, labels) -> str:
+    """`inputs float32[8, 5]; labels int32[8]`: the shapes a static build is specialised to."""
+    text = lambda t: ", ".join(f"{dtype_of(a)}{list(np.shape(a))}"  # noqa: E731
+                               for a in jax.tree.leaves(t))
+    return f"inputs {text(inputs)}" + ("" if labels is None else f"; labels {text(labels)}")
 
 
 def _apply_remat(graph: Graph, remat):
@@ -194,6 +212,9 @@ class Optimizer(StateFiles, WholePeriods):
         self.plan = None if mesh is None else MeshPlan(mesh, data_axis, param_sharding)
         self._builds: dict[tuple, _Build] = {}
         self._last: _Build | None = None
+        self._init: _Build | None = None  # the build `init` made: the state's template
+        self._fingerprint: dict | None = None  # what state files record (computed on demand)
+        self._batch: str | None = None  # the example batch's shapes, as the fingerprint says
         self._latest: TrainState | None = None
         self._keyed = False  # the params hold typed PRNG keys (set by init)
         self._params_shape = None
@@ -298,8 +319,14 @@ class Optimizer(StateFiles, WholePeriods):
                 self.plan.batch_size((x, y), "Optimizer")
             if self.static and self._builds:
                 (known,) = self._builds
-                raise JGraphError(f"static Optimizer was built for inputs {known}, got {key}; "
-                                  f"use Optimizer(..., static=False) for varying shapes")
+                lists = any(isinstance(t, list | tuple) and t and not isinstance(t[0], np.ndarray
+                                                                                | jax.Array)
+                            for t in (x, y))
+                raise JGraphError(
+                    f"static Optimizer was built for inputs (and labels) {_signature_text(known)}"
+                    f", got {_signature_text(key)}; use Optimizer(..., static=False) for varying "
+                    f"shapes" + ("; a Python list is a pytree of one input per element: pass "
+                                 "np.asarray(...)" if lists else ""))
             build = self._builds[key] = self._shared_build(x, y, key)
         self._last = build
         return build
@@ -345,14 +372,14 @@ class Optimizer(StateFiles, WholePeriods):
 
     def _check_labels(self, build: _Build, labels) -> None:
         """Class ids on the host must lie in [0, nclasses): one-hot encoding would silently turn
-        any other id into a zero row. (On the device such ids make the loss NaN, as in optax.)"""
-        if build.nclasses is None or not isinstance(labels, np.ndarray) or labels.size == 0:
+        any other id into a zero row. JAX arrays are not read back (that would wait for the
+        device every step): there such ids make the loss NaN, which `on_nonfinite` reports."""
+        if build.nclasses is None or labels is None or isinstance(labels, jax.Array):
             return
-        if labels.min() < 0 or labels.max() >= build.nclasses:
-            at = tuple(int(i) for i in np.argwhere((labels < 0) | (labels >= build.nclasses))[0])
-            raise ArgumentError(f"labels must be class ids in [0, {build.nclasses}) for "
-                                f"{self.loss!r} over {build.nclasses} outputs; got "
-                                f"{labels[at]} at index {at}")
+        labels = np.asarray(labels)
+        if labels.dtype.kind in "iu":
+            check_class_ids(labels, build.nclasses, f"labels (for {self.loss!r} over "
+                                                    f"{build.nclasses} outputs)")
 
     def check_labels(self, labels) -> None:
         """`ArgumentError` if host labels hold a class id the model's outputs cannot match."""
@@ -362,6 +389,7 @@ class Optimizer(StateFiles, WholePeriods):
 
     def _micro_step(self, state, what: str) -> int:
         """The state's counter as an int in [0, period) (a Python int is fine)."""
+        _train_state(state, what)
         counter = state.counter
         if type(counter) is np.int32 and 0 <= counter < self.period:  # what steps produce
             return int(counter)
@@ -396,6 +424,8 @@ class Optimizer(StateFiles, WholePeriods):
         self._keyed = has_keys(params)
         self._builds.clear()
         build = self._for(example_inputs, example_labels)
+        if self.needs_labels:
+            self._check_labels(build, example_labels)
         lead = jax.tree.leaves(example_inputs)[0]
         self.batch_size = int(np.shape(lead)[0]) if np.ndim(lead) else 1
         params = fresh_copy(params) if self.plan is None else self._place(params, build)
@@ -404,6 +434,9 @@ class Optimizer(StateFiles, WholePeriods):
         build.state_template = jax.tree.map(
             lambda a: a if isinstance(a, np.ndarray | np.generic) else jax.ShapeDtypeStruct(
                 a.shape, a.dtype), state)
+        # one assignment: a Ctrl-C inside init leaves the previous init's template in place
+        self._init, self._fingerprint, self._batch = build, None, batch_text(
+            example_inputs, example_labels if self.needs_labels else None)
         return self._record(state)
 
     def _place(self, params, build: _Build):
@@ -419,6 +452,8 @@ class Optimizer(StateFiles, WholePeriods):
         build = self._for(inputs, labels)
         self._check_labels(build, labels)
         i = self._micro_step(state, "Optimizer.step")
+        if (state.grad_acc is None) != (self.period == 1):  # the executables would not notice
+            self.checked_state(state, "Optimizer.step")
         trainable, keys = self._split(state.params)
         ex, data = build.executables, self._data(inputs, labels, keys)
         name = "opt" if i + 1 == self.period else "grad"
@@ -450,14 +485,16 @@ class Optimizer(StateFiles, WholePeriods):
             self._raise_if_nonfinite(finite, f"micro-step {i} of period {self.period}")
         return new, self._output(value, build, self.period, finite)
 
-    def _run(self, executable, state, *args):
+    def _run(self, executable, state, *args, what: str = "Optimizer.step"):
         try:
             return executable(*args)
-        except (RuntimeError, ValueError) as e:  # what jax raises for a deleted buffer
-            if deleted(state):
+        except (RuntimeError, TypeError, ValueError, JGraphError) as e:
+            if deleted(state):  # jax raises RuntimeError or ValueError for a deleted buffer
                 raise ArgumentError("Optimizer: this state's buffers were donated to a later step "
                                     "and deleted; continue from the state that step returned "
                                     "(or `opt.latest_state`)") from e
+            if self._init is not None:  # a state that does not fit the executable: whose is it?
+                self.checked_state(state, what)
             raise
 
     def _raise_if_nonfinite(self, finite: bool, where: str) -> None:
@@ -470,24 +507,33 @@ class Optimizer(StateFiles, WholePeriods):
 
     def evaluate(self, state: TrainState, inputs, labels=None) -> StepOutput:
         """Forward only: the loss (and predictions) at the current params; state is unchanged."""
+        _train_state(state, "Optimizer.evaluate")
         build = self._for(inputs, labels)
         self._check_labels(build, labels)
         trainable, keys = self._split(state.params)
         value = self._run(build.executables["forward"], state, trainable,
-                          *self._data(inputs, labels, keys))
+                          *self._data(inputs, labels, keys), what="Optimizer.evaluate")
         return self._output(value, build, 1)
 
     def reset(self, state: TrainState, optimizer: bool = False) -> TrainState:
         """ggml_opt_reset: zero accumulators and the counter; with `optimizer`, also `tx.init`."""
         if self._last is None:
             raise JGraphError("Optimizer.reset: call init first")
-        fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0])
+        if not isinstance(optimizer, bool):
+            raise ArgumentError(f"Optimizer.reset: optimizer must be True or False, got "
+                                f"{optimizer!r}")
+        if not optimizer:  # the state's optimizer state is kept: it must be this Optimizer's
+            self.checked_state(state, "Optimizer.reset")
+        _train_state(state, "Optimizer.reset")
+        fresh = self._run(self._last.executables["reset"], state, self._split(state.params)[0],
+                          what="Optimizer.reset")
         new = state._replace(grad_acc=fresh.get("grad_acc"), counter=np.int32(0))
         return self._record(new._replace(opt_state=fresh["opt_state"]) if optimizer else new)
 
     def grad_acc(self, state: TrainState):
         """The accumulated gradients (None when the period is 1: there are no accumulators); on
         a mesh, the sum of the per-device accumulators."""
+        _train_state(state, "Optimizer.grad_acc")
         if self.plan is None or state.grad_acc is None:
             return state.grad_acc
         return self._last.steps.summed(state.grad_acc)

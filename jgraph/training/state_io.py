@@ -3,7 +3,7 @@
 File layout (all integers little-endian):
 
     magic    b"JGRAPH-STATE\\n"                    (13 bytes)
-    version  u32                                   (FORMAT_VERSION)
+    version  u32                                   (FORMAT_VERSION; READ_VERSIONS are read)
     hlen     u64, then `hlen` bytes of JSON header (at most MAX_HEADER_BYTES):
              {"leaves": [{path, shape, dtype, offset, nbytes[, key_impl]}, ...],
               "meta": {jgraph's settings that a reader must match}, "extra": user JSON}
@@ -22,6 +22,10 @@ anything is allocated, boolean bytes 0 or 1, typed PRNG keys rebuilt only for JA
 implementations; then every leaf's path, shape and dtype against the expected state, the settings
 in `meta`, and a dataset order that must be a permutation. Any mismatch raises `StateFileError`
 naming the field, before the caller's state or dataset is touched.
+
+Versions: 3 (written now) records in `meta.fingerprint` what produced the state (the model, the
+optimizer, the batch: `jgraph.training.fingerprint`); 2 has the same layout without it and is
+still read (`Optimizer.load` warns that it cannot check where such a state came from).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from jgraph.errors import JGraphError
 from jgraph.training.arguments import ArgumentError
 
 MAGIC = b"JGRAPH-STATE\n"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)  # 2: no fingerprint in `meta` (same layout)
 MAX_HEADER_BYTES = 64 * 2**20
 MAX_RANK = 64
 MAX_PATH_CHARS = 4096
@@ -59,6 +64,15 @@ LEAF_FIELDS = {"path": str, "shape": list, "dtype": str, "offset": int, "nbytes"
 
 class StateFileError(JGraphError):
     """A state file is missing, truncated, altered, of another version or of another state."""
+
+
+class StateWriteError(StateFileError, OSError):
+    """A state file could not be written (the folder, permissions, a full disk); the cause is
+    chained, and the previous file at the path, if any, is intact."""
+
+
+class StateFileWarning(UserWarning):
+    """A state file was read without a check it could not carry (an old version's file)."""
 
 
 def _is_key(dtype) -> bool:
@@ -118,13 +132,63 @@ def remove_stale_temporaries(path) -> int:
     return removed
 
 
-def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
-    """Write `state` (and `dataset.permutation`) to `path` atomically."""
+def as_path(path, what: str) -> Path:
+    """`path` as a `Path`; `ArgumentError` unless it is a str or an os.PathLike."""
+    if not isinstance(path, str | os.PathLike):
+        raise ArgumentError(f"{what}: path must be a str or an os.PathLike, got "
+                            f"{type(path).__name__}")
+    return Path(path)
+
+
+def dataset_order(dataset, what: str):
+    """The shard order of `dataset` (a `jg.Dataset`), or None."""
+    from jgraph.training.dataset import Dataset
+
+    if dataset is not None and not isinstance(dataset, Dataset):
+        raise ArgumentError(f"{what}: dataset must be a jg.Dataset, got {type(dataset).__name__}")
+    return None if dataset is None else dataset.permutation
+
+
+def _temporary(path: Path) -> Path:
+    """A fresh temporary next to `path`, named so that `remove_stale_temporaries` knows it."""
+    return path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def check_writable(path, what: str) -> Path:
+    """`ArgumentError` unless `save_state(path, ...)` could write there now: its folder exists
+    or can be made, and a file can be created in it (a real probe: permissions, read-only file
+    systems and a path under a regular file all fail here, not after hours of training)."""
     path = Path(path)
+    if path.is_dir():
+        raise ArgumentError(f"{what} {str(path)!r} is a folder, not a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArgumentError(f"{what} {str(path)!r} cannot be written: its folder "
+                            f"{str(path.parent)!r} cannot be made ({e.strerror or e})") from e
+    probe = _temporary(path)
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except OSError as e:
+        raise ArgumentError(f"{what} {str(path)!r} cannot be written: no file can be created "
+                            f"in {str(path.parent)!r} ({e.strerror or e})") from e
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return path
+
+
+def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
+    """Write `state` (and `dataset.permutation`) to `path` atomically. What cannot be saved is an
+    `ArgumentError`; a failed write is a `StateWriteError` (an `OSError` too)."""
+    path = as_path(path, "save")
+    if path.is_dir():
+        raise ArgumentError(f"save: {str(path)!r} is a folder, not a file path")
+    order = dataset_order(dataset, "save")
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     named = [(jax.tree_util.keystr(p), leaf) for p, leaf in flat]
-    if dataset is not None:
-        named.append(("dataset", dataset.permutation))
+    if order is not None:
+        named.append(("dataset", order))
     entries, chunks, offset = [], [], 0
     for name, leaf in named:
         entry, raw = _leaf_bytes(name, leaf)
@@ -137,9 +201,16 @@ def save_state(path, state, dataset=None, extra=None, meta=None) -> None:
     except (TypeError, ValueError) as e:
         raise ArgumentError(f"save: `extra` must be JSON-serialisable: {e}") from e
     check_header(parse_header(header, path), offset, path)  # never write what load refuses
+    try:
+        _write(path, header, chunks)
+    except OSError as e:
+        raise StateWriteError(f"cannot write state file {str(path)!r}: {e}") from e
+
+
+def _write(path: Path, header: bytes, chunks) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp = _temporary(path)
     replaced = False
     try:  # an interrupt anywhere in here leaves no temporary: the cleanup tolerates every state
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -233,8 +304,9 @@ def check_header(header: dict, payload_bytes: int, path) -> None:
 
 
 def read_state_file(path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Verify `path` and return (header, {leaf path: array}); typed keys come back as keys."""
-    path = Path(path)
+    """Verify `path` and return (header, {leaf path: array}); typed keys come back as keys. The
+    header also holds the file's format version as `header["version"]`."""
+    path = as_path(path, "load")
     try:
         blob = path.read_bytes()
     except OSError as e:
@@ -243,9 +315,9 @@ def read_state_file(path) -> tuple[dict, dict[str, np.ndarray]]:
     if len(blob) < fixed + _DIGEST or not blob.startswith(MAGIC):
         raise StateFileError(f"{path} is not a jgraph state file (bad magic or too short)")
     version, hlen = _FIXED.unpack_from(blob, len(MAGIC))
-    if version != FORMAT_VERSION:
-        raise StateFileError(f"{path} has format version {version}; this jgraph reads version "
-                             f"{FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise StateFileError(f"{path} has format version {version}; this jgraph reads versions "
+                             f"{list(READ_VERSIONS)}")
     if hashlib.sha256(memoryview(blob)[:-_DIGEST]).digest() != blob[-_DIGEST:]:
         raise StateFileError(f"{path} is truncated or altered: its SHA-256 checksum does not match")
     if hlen > min(MAX_HEADER_BYTES, len(blob) - fixed - _DIGEST):
@@ -268,7 +340,7 @@ def read_state_file(path) -> tuple[dict, dict[str, np.ndarray]]:
                 raise StateFileError(f"{path}: leaf {e['path']} is no {e['key_impl']} key "
                                      f"data: {err}") from None
         arrays[e["path"]] = arr
-    return header, arrays
+    return {**header, "version": version}, arrays
 
 
 def check_meta(header: dict, meta: dict, path) -> None:
@@ -286,13 +358,17 @@ def _describe(a) -> str:
     return f"{a.dtype}{list(np.shape(a))}"
 
 
-def read_state(path, template, nshards: int | None = None, meta=None, on_host: bool = False):
+def read_state(path, template, nshards: int | None = None, meta=None, on_host: bool = False,
+               check=None):
     """`(state, permutation or None, header)`: a state shaped like `template` (a pytree of arrays
     or ShapeDtypeStructs; NumPy leaves stay on the host), read and checked; nothing is mutated.
     With `nshards`, the file must hold a dataset order of that many shards; without, a stored
-    order is ignored. With `on_host`, every leaf stays on the host (the caller places them)."""
+    order is ignored. With `on_host`, every leaf stays on the host (the caller places them).
+    `check(header)` runs after `meta` is checked, before the leaves are (a fingerprint)."""
     header, arrays = read_state_file(path)
     check_meta(header, meta or {}, path)
+    if check is not None:
+        check(header)
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
     want = [jax.tree_util.keystr(p) for p, _ in flat] + (["dataset"] if nshards is not None
                                                           else [])
