@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jgraph.dropin.value_and_grad import ValueAndGrad
+from jgraph.dropin.transform import ValueAndGrad
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 STEPS = 20

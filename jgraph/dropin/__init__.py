@@ -5,7 +5,7 @@
 Same signatures, argument handling, results and errors as JAX's; usable wherever JAX's are (eager,
 inside the user's `jax.jit`, `vmap`, `lax.scan`, `shard_map`, under `jax.grad` or each other). Each
 call runs the joint graph of its abstract signature, traced once and cached
-(`jgraph.dropin.value_and_grad`); `jg.value_and_grad(f).graph(*args)` returns it. The equinox
+(`jgraph.dropin.transform`); `jg.value_and_grad(f).graph(*args)` returns it. The equinox
 variants are in `jgraph.dropin.filtered`, `jg.vjp` in `jgraph.dropin.pullback`.
 
 `jg.vjp` shares its name with `jgraph.vjp`, the package of VJP rules: that module is made callable
@@ -18,7 +18,7 @@ import jgraph.vjp as _rules
 from jgraph.dropin.arguments import ArgumentError, ArgumentValueError
 from jgraph.dropin.filtered import filter_grad, filter_value_and_grad
 from jgraph.dropin.pullback import vjp
-from jgraph.dropin.value_and_grad import ValueAndGrad, grad, value_and_grad
+from jgraph.dropin.transform import ValueAndGrad, grad, value_and_grad
 
 
 class _CallableRulesModule(types.ModuleType):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from jgraph.dropin.value_and_grad import ValueAndGrad
+from jgraph.dropin.transform import ValueAndGrad
 
 
 def filter_value_and_grad(fun=None, *, has_aux=False, policy=None, budget=None):

@@ -165,12 +165,15 @@ class ValueAndGrad:
             loss, aux = out if has_aux else (out, None)
             check_loss(loss, name)
             outputs.aux_tree, outputs.aux_static, aux_traced = arguments.split_traced(aux)
-            return loss, aux_traced
+            if not has_aux:
+                return loss
+            # The graph returns the aux as fun does, unless some of it is not traced.
+            return loss, (aux if all(x is None for x in outputs.aux_static) else aux_traced)
 
         nums = call.argnums
         param_argnums = nums[0] if isinstance(self.argnums, int) else nums
         graph, closed_over = trace_closure(traced, *arguments.with_holes(call),
-                                           param_argnums=param_argnums, has_aux=True)
+                                           param_argnums=param_argnums, has_aux=has_aux)
         kinds = [d[0] for d in signature.leaves if d[0] != STATIC]
         if DATA in [k for k, pos in zip(kinds, _argument_of(call), strict=True) if pos in nums]:
             # Integer leaves of a differentiated argument (allow_int, equinox filters) are data:
