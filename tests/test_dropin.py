@@ -231,6 +231,11 @@ def test_loss_closing_over_the_callers_tracers():
     assert len(calls) == 1  # traced with the step: the user's jit caches it
 
 
+def test_jg_trace_names_closed_over_tracers():
+    with pytest.raises(jg.TraceError, match="closes over 1 traced value"):
+        jax.jit(lambda x: jg.trace(lambda p: jnp.sum(p * x), x) and 0.0)(X3)
+
+
 def test_a_decorated_method_binds_self_as_jaxs_does():
     def model(transform):
         class Model:
