@@ -87,39 +87,40 @@ def _describe(x) -> str:
     return f"a {type(x).__name__} ({x!r:.60})"
 
 
-def differentiated_leaf_kind(x, path: str, name: str, allow_int: bool) -> str:
-    """`param` or `data` for a leaf of a differentiated argument, or JAX's TypeError."""
+def differentiated_leaf_kind(x, path, name: str, allow_int: bool):
+    """(`param` or `data`, aval) for a leaf of a differentiated argument, or JAX's TypeError."""
     try:
         aval = jax.typeof(x)
     except TypeError:
         raise ArgumentError(
-            f"{name}: argument {path} is {_describe(x)}, not an array: gradients are taken "
+            f"{name}: argument {path()} is {_describe(x)}, not an array: gradients are taken "
             "with respect to arrays and Python floats (as jax.grad requires). Pass it in an "
             "argument that is not differentiated, or use jg.filter_value_and_grad (equinox's "
             "semantics: only floating arrays are differentiated)") from None
     if _is_inexact(aval):
-        return PARAM
+        return PARAM, aval
     if allow_int and (jax.numpy.issubdtype(aval.dtype, jax.numpy.integer)
                       or jax.numpy.issubdtype(aval.dtype, jax.numpy.bool_)
                       or jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)):
-        return DATA
+        return DATA, aval
     raise ArgumentError(
-        f"{name}: argument {path} is {short_aval(aval)}; gradients need floating (real or "
+        f"{name}: argument {path()} is {short_aval(aval)}; gradients need floating (real or "
         "complex) inputs, as jax.grad requires. Pass integer, boolean or key values in an "
         "argument that is not differentiated, use jg.vjp, or set allow_int=True (their "
         "gradient is then float0 zeros)")
 
 
-def filtered_leaf_kind(x) -> str:
+def filtered_leaf_kind(x):
     """Equinox's `filter_*` semantics: floating arrays are params, other arrays data, the rest
     static (Python floats included, as `eqx.is_inexact_array` says)."""
     if not is_array(x):
-        return STATIC
-    return PARAM if _is_inexact(jax.typeof(x)) else DATA
+        return STATIC, None
+    aval = jax.typeof(x)
+    return (PARAM if _is_inexact(aval) else DATA), aval
 
 
-def other_leaf_kind(x) -> str:
-    return DATA if is_array(x) else STATIC
+def other_leaf_kind(x):
+    return (DATA, jax.typeof(x)) if is_array(x) else (STATIC, None)
 
 
 @dataclass(frozen=True)
@@ -153,22 +154,32 @@ class Call:
 
 def split_call(args, kwargs, argnums, name: str, kind_of) -> Call:
     """Classify every leaf of `(args, kwargs)`; `kind_of(leaf, path, differentiated)` gives its
-    kind. Paths are written as in the user's call (`args[0]['w']`, `kwargs['train']`)."""
+    (kind, aval), `path()` (for messages) the leaf's place as the user wrote it: `args[0]['w']`."""
     nums = resolve_argnums(argnums, len(args), name) if argnums is not None else ()
-    flat, treedef = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    described, dynamic, leaves = [], [], []
-    for path, x in flat:
-        where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
-        differentiated = path[0].idx == 0 and path[1].idx in nums
-        kind = kind_of(x, where, differentiated)
+    leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+    positions = []  # per leaf, its positional argument (len(args) for keyword arguments)
+    for i, sub in enumerate(treedef.children()[0].children()):
+        positions += [i] * sub.num_leaves
+    positions += [len(args)] * (len(leaves) - len(positions))
+
+    def path_of(k):
+        return lambda: _leaf_path(args, kwargs, k)
+
+    described, dynamic = [], []
+    for k, (x, i) in enumerate(zip(leaves, positions, strict=True)):
+        kind, aval = kind_of(x, path_of(k), i in nums)
         if kind == STATIC:
             described.append((STATIC, type(x), x))
         else:
-            described.append((kind, jax.typeof(x)))
+            described.append((kind, aval))
             dynamic.append(x)
-        leaves.append(x)
     signature = Signature(treedef, tuple(described), _trace_config())
     return Call(signature, dynamic, leaves, len(args), nums, bool(kwargs))
+
+
+def _leaf_path(args, kwargs, k: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))[0][k][0]
+    return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
 
 
 def with_holes(call: Call) -> tuple:

@@ -29,14 +29,14 @@ from jgraph.trace import trace_closure
 NAME = "jg.vjp"
 
 
-def _leaf_kind(x, path, _differentiated) -> str:
+def _leaf_kind(x, path, _differentiated):
     """Every leaf of the primals is an input: floating ones get cotangents, others float0."""
     try:
         aval = jax.typeof(x)
     except TypeError:
-        raise ArgumentError(f"{NAME}: primal {path.replace('args', 'primals', 1)} is a "
+        raise ArgumentError(f"{NAME}: primal {path().replace('args', 'primals', 1)} is a "
                             f"{type(x).__name__} ({x!r:.60}), not an array") from None
-    return PARAM if is_float(aval) else DATA
+    return (PARAM if is_float(aval) else DATA), aval
 
 
 @dataclass(eq=False)
