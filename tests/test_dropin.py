@@ -108,6 +108,16 @@ def test_allow_int_gives_float0_zeros_as_jax():
     np.testing.assert_array_equal(got[1][0]["w"], want[1][0]["w"])
 
 
+def test_nothing_to_differentiate():
+    f = lambda p, n: jnp.sum(n).astype(f32) * 2.0 + sum(jnp.sum(v) for v in p.values())
+    for args, argnums in [(({}, jnp.arange(3)), 0), (({}, jnp.arange(3)), (0, 1))]:
+        got = jg.value_and_grad(f, argnums, allow_int=True)(*args)
+        want = jax.value_and_grad(f, argnums, allow_int=True)(*args)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        assert_trees_close(got[0], want[0])
+    assert jg.filter_grad(lambda m, x: jnp.sum(x) * m[1])((jnp.arange(2), 2), X3) == (None, None)
+
+
 # -- errors: where JAX raises, the same type ------------------------------------------------------
 X3 = jnp.ones(3, f32)
 ERRORS = {  # name -> (call taking the transform, text jgraph's message contains)

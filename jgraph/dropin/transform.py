@@ -175,14 +175,19 @@ class ValueAndGrad:
         graph, closed_over = trace_closure(traced, *arguments.with_holes(call),
                                            param_argnums=param_argnums, has_aux=has_aux)
         kinds = [d[0] for d in signature.leaves if d[0] != STATIC]
-        if DATA in [k for k, pos in zip(kinds, _argument_of(call), strict=True) if pos in nums]:
+        differentiated = [k for k, pos in zip(kinds, _argument_of(call), strict=True)
+                          if pos in nums]
+        if DATA in differentiated:
             # Integer leaves of a differentiated argument (allow_int, equinox filters) are data:
             # the grads are then the params' in input order, placed by `grad_slots`.
             graph = graph.replace(input_roles=tuple(kinds) + ("data",) * len(closed_over),
                                   param_argnums=None)
-        joint = backward(graph)
-        if self.policy is not None or self.budget is not None or joint.regions:
-            joint = remat(joint, self.policy, budget=self.budget)
+        if PARAM not in differentiated:  # nothing to differentiate (an empty tree, integers)
+            joint = graph
+        else:
+            joint = backward(graph)
+            if self.policy is not None or self.budget is not None or joint.regions:
+                joint = remat(joint, self.policy, budget=self.budget)
         return Entry(joint, GraphRunner(joint, closed_over), outputs,
                      _grad_slots(call, joint), isinstance(self.argnums, int), has_aux,
                      self.filtered)
@@ -201,7 +206,8 @@ def _argument_of(call: arguments.Call) -> list:
 def _grad_slots(call: arguments.Call, joint: Graph) -> list:
     """Per differentiated argument: its tree and, per leaf, the index of its gradient among the
     graph's grad outputs (a param), its aval (data: float0 zeros) or None (static)."""
-    grad_index = {id(v): k for k, v in enumerate(joint.grad_params())}
+    grad_index = {id(v): k for k, v in enumerate(joint.grad_params())} \
+        if "grad" in joint.output_roles else {}
     args_tree = call.signature.treedef.children()[0]
     starts = np.cumsum([0] + [t.num_leaves for t in args_tree.children()])
     dynamic_index = np.cumsum([0] + [d[0] != STATIC for d in call.signature.leaves])
