@@ -44,18 +44,13 @@ def check_callable(fun, name: str) -> None:
 
 
 def normalize_argnums(argnums, name: str) -> int | tuple[int, ...]:
-    """An int or a tuple of ints, as JAX accepts them (bools and floats are refused)."""
+    """An int or a tuple of ints, read as JAX reads them (`operator.index`)."""
     try:
-        if isinstance(argnums, bool):
-            raise TypeError
         return operator.index(argnums)
     except TypeError:
         pass
     try:
-        nums = tuple(argnums)
-        if any(isinstance(n, bool) for n in nums):
-            raise TypeError
-        return tuple(operator.index(n) for n in nums)
+        return tuple(operator.index(n) for n in argnums)
     except TypeError:
         raise ArgumentError(f"{name}: argnums must be an int or a sequence of ints, got "
                             f"{argnums!r}") from None
