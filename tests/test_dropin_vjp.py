@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jgraph as jg
+from tests.real_models import MODELS
 from tests.test_dropin import assert_trees_close
 
 f32 = jnp.float32
@@ -182,3 +183,14 @@ def test_plain_value_and_grad_refuses_an_equinox_model_as_jax_does():
         jax.value_and_grad(model_loss)(model, x, 0.3)
     with pytest.raises(TypeError, match=r"args\[0\]"):
         jg.value_and_grad(model_loss)(model, x, 0.3)
+
+
+# -- every real model (opt-in: eleven models, two compilations each) ------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [m.name for m in MODELS])
+def test_real_models_match_jax(name):
+    model = next(m for m in MODELS if m.name == name)
+    fn, args = model.built
+    got = jax.jit(jg.value_and_grad(fn, has_aux=model.has_aux))(*args)
+    want = jax.jit(jax.value_and_grad(fn, has_aux=model.has_aux))(*args)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
