@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import jgraph as jg
 from tests.real_models import MODELS
@@ -90,6 +91,36 @@ def test_vjp_traces_once_per_signature():
     assert len(calls) == 1
     jg.vjp(f, jnp.ones(4, f32))
     assert len(calls) == 2
+
+
+def test_vjp_of_loops_and_checkpoint_regions():
+    ws = jax.random.normal(jax.random.PRNGKey(5), (4, 3, 3), f32) * 0.5
+
+    def scanned(x, ws):
+        layer = lambda h, w: (jnp.tanh(jnp.tanh(h @ w) @ w), None)
+        return lax.scan(layer, x, ws)[0]
+
+    def checkpointed(x, ws):
+        for w in ws:
+            x = jax.checkpoint(lambda x, w: jnp.sin(jnp.sin(x @ w) @ w))(x, w)
+        return x
+
+    x, ct = jnp.ones((2, 3), f32), jnp.full((2, 3), 0.5, f32)
+    for f in (scanned, checkpointed):
+        out, pullback = jg.vjp(f, x, ws)
+        jout, jpullback = jax.vjp(f, x, ws)
+        assert_trees_close(out, jout, rtol=1e-6)
+        assert_trees_close(pullback(ct), jpullback(ct), rtol=1e-5)
+    # The checkpointed function keeps only the region inputs: 4 hidden states, not 4 x 3.
+    saved = len(jg.vjp(checkpointed, x, ws)[1].residuals)
+    unchecked = len(jg.vjp(lambda x, ws: _unchecked(x, ws), x, ws)[1].residuals)
+    assert saved < unchecked
+
+
+def _unchecked(x, ws):
+    for w in ws:
+        x = jnp.sin(jnp.sin(x @ w) @ w)
+    return x
 
 
 VJP_ERRORS = {  # name -> (call taking jax.vjp or jg.vjp, builtin type)

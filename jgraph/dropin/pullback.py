@@ -6,7 +6,8 @@ where JAX splits it: a forward graph (primals -> outputs and the residuals the b
 now, and a backward graph (residuals, cotangents -> input cotangents) run by the returned function.
 That function is a pytree whose leaves are the residuals, as JAX's is, so it can be returned from
 or passed into a `jax.jit`. Graphs are cached per (function, abstract signature) while the function
-lives; both run where they are called (`jgraph.dropin.runner`).
+lives; both run where they are called (`jgraph.dropin.runner`). `jax.checkpoint` regions in `fun`
+are rematerialized: their inner values are recomputed by the returned function, not kept.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jgraph.dropin.arguments import DATA, PARAM, ArgumentError, ArgumentValueErr
 from jgraph.dropin.runner import GraphRunner
 from jgraph.ir import Graph, Var, is_float, short_aval
 from jgraph.passes import dce
+from jgraph.remat import remat
 from jgraph.trace import trace_closure
 
 NAME = "jg.vjp"
@@ -56,9 +58,11 @@ class _Pullback:
 
 def split_forward_backward(joint: Graph, n_inputs: int, n_outputs: int):
     """(forward graph, backward graph) of `vjp_graph`'s joint graph: the backward eqns (tagged
-    `backward`) read forward values only through the residuals, outputs of the forward graph."""
-    backward_eqns = [e for e in joint.eqns if "backward" in e.tags]
-    forward_eqns = [e for e in joint.eqns if "backward" not in e.tags]
+    `backward`, and the recompute of checkpoint regions) read forward values only through the
+    residuals, outputs of the forward graph."""
+    later = {"backward", "recompute"}
+    backward_eqns = [e for e in joint.eqns if later & e.tags]
+    forward_eqns = [e for e in joint.eqns if not later & e.tags]
     cts, grads = joint.inputs[n_inputs:], joint.outputs[n_outputs:]
     local = set(cts) | {v for e in backward_eqns for v in e.outputs}
     residuals: dict[Var, None] = {}
@@ -121,6 +125,8 @@ def _trace(fun, call: arguments.Call, has_aux: bool) -> _Pullback:
     with_ct = [k < n_out and is_float(a.aval) for k, a in enumerate(graph.outputs)]
     wrt = [r == PARAM for r in graph.input_roles]
     joint = vjp_graph(graph, wrt, with_ct)
+    if joint.regions:  # jax.checkpoint in fun: its residuals are recomputed by vjp_fn
+        joint = remat(joint)
     forward, backward = split_forward_backward(joint, len(graph.inputs), len(graph.outputs))
     return _Pullback(GraphRunner(forward, closed_over), GraphRunner(backward),
                      box["out_tree"], [a.aval for a in graph.outputs[:n_out]], box["aux_tree"],
