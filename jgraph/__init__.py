@@ -9,8 +9,7 @@ from jgraph import config, policies, testing
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
-from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad
-from jgraph.dropin import vjp as _vjp  # noqa: F401 - makes the module jgraph.vjp callable: jg.vjp
+from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad  # and jg.vjp
 from jgraph.errors import GraphError, JGraphError, TraceError, TransformError
 from jgraph.interpreter import Interpreter, evaluate
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
