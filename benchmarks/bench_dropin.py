@@ -9,13 +9,15 @@ of `bench_backward`):
   program that compiles several steps), interleaved medians (bar: ratio <= 1.3);
 - first call in a fresh process (every cache cold: jgraph's rule templates, JAX's jaxpr caches),
   timed inside child processes started in turn, median (same bar).
-The notes say whether the two steps' results are bitwise equal.
+The notes say whether the two steps' results are bitwise equal, and how the two optimized HLO
+programs compare (identical up to names: any difference of time is noise).
 
     python -m benchmarks.bench_dropin [--quick]
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -62,11 +64,30 @@ def step_row(name, loss, params, x, quick) -> dict:
             return value
         return one
 
+    hlo = hlo_relation(*(step.lower(params, TX.init(params), x).compile().as_text()
+                         for step in steps.values()))
     t = interleaved_medians({k: run(k) for k in steps}, repeats=30 if quick else 300, warmup=5)
     return {"benchmark": f"drop-in step: {name}", "jgraph": f"{t['jgraph'] * 1e3:.3f} ms",
             "reference": f"{t['jax'] * 1e3:.3f} ms", "ratio": t["jgraph"] / t["jax"],
             "note": f"jitted value_and_grad + adam, donated; first step bitwise equal: "
-                    f"{bitwise}; bar <= 1.02"}
+                    f"{bitwise}; optimized HLO {hlo}; bar <= 1.02"}
+
+
+def hlo_relation(ours: str, theirs: str) -> str:
+    """How two compiled programs compare, up to instruction names and source metadata:
+    "identical", "the same instructions in another order", or their instruction counts."""
+    def instructions(text):
+        lines = [re.sub(r"metadata=\{.*?\}", "", line) for line in text.splitlines()
+                 if " = " in line]
+        return [re.sub(r"%?[\w.\-]+ = ", "v = ", re.sub(r"%[\w.\-]+", "%v", line))
+                for line in lines]
+
+    a, b = instructions(ours), instructions(theirs)
+    if a == b:
+        return "identical to JAX's"
+    if sorted(a) == sorted(b):
+        return "the same instructions as JAX's, in another order"
+    return f"{len(a)} instructions vs JAX's {len(b)}"
 
 
 def first_call_row(name, loss, params, x, quick) -> dict:
