@@ -62,15 +62,15 @@ def test_jit_of_the_transform_itself():
 # -- vmap: per-example gradients ------------------------------------------------------------------
 def test_vmap_gives_per_example_gradients():
     p, x, y = per_example_args()
-    got = jax.vmap(jg.grad(per_example_loss), in_axes=(None, 0, 0))(p, x, y)
-    want = jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0, 0))(p, x, y)
+    got = jax.jit(jax.vmap(jg.grad(per_example_loss), in_axes=(None, 0, 0)))(p, x, y)
+    want = jax.jit(jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0, 0)))(p, x, y)
     assert jax.tree.leaves(got)[0].shape == (6, 4)
     assert_trees_close(got, want)
     # Batched params too, and value_and_grad inside a jitted vmap.
     ps = jax.tree.map(lambda a: jnp.stack([a, 2 * a, -a]), p)
     vmapped = jax.jit(jax.vmap(jg.value_and_grad(per_example_loss), in_axes=(0, None, None)))
-    assert_trees_close(vmapped(ps, x, y),
-                       jax.vmap(jax.value_and_grad(per_example_loss), (0, None, None))(ps, x, y))
+    reference = jax.jit(jax.vmap(jax.value_and_grad(per_example_loss), (0, None, None)))
+    assert_trees_close(vmapped(ps, x, y), reference(ps, x, y))
 
 
 def test_vmap_with_remat_keeps_values():
