@@ -101,7 +101,7 @@ def test_inside_a_scan_body():
 # -- sharding -------------------------------------------------------------------------------------
 def test_sharded_jit_and_shard_map():
     """On this process's devices (one CPU device in the suite: the sharding code paths; the
-    child test below runs the same on 4 devices)."""
+    child test below, opt-in with -m slow, runs the same on 4 devices)."""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     p, x, y = per_example_args(4 * len(jax.devices()))
     check_sharded(mesh, p, x, y)
@@ -164,6 +164,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # a child process with 4 host devices; the default suite runs the same on 1
 def test_sharded_on_four_devices():
     import subprocess
     import sys
