@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 from jax._src import ad_util, xla_bridge
+from jax._src.core import NamedAxisEffect
 from jax._src.lax import windowed_reductions
 
 # A cotangent the user's custom_vjp bwd declares zero (`jax.custom_vjp` passes symbolic zeros as
@@ -22,6 +23,20 @@ SymbolicZero = ad_util.Zero
 select_and_scatter_add = windowed_reductions._select_and_scatter_add
 select_and_gather_add = windowed_reductions._select_and_gather_add
 
+
+
+def shard_map_typed(aval):
+    """`aval` if it varies over some mesh axes (inside `shard_map`), else None. JAX types that
+    (`ShapedArray.mat`, undocumented) and inserts `pvary` where such values meet invariant ones,
+    so a function traced on it must see the whole aval (its abstract mesh included)."""
+    mat = getattr(aval, "mat", None)
+    return aval if mat is not None and mat.varying else None
+
+
+def harmless_effects(effects) -> bool:
+    """Effects that only name the mesh axes a collective reduces over (`psum` inside
+    `shard_map`): no side effect, nothing to order."""
+    return all(isinstance(e, NamedAxisEffect) for e in effects)
 
 
 def compile_platform() -> str:
@@ -73,6 +88,7 @@ def call_user_bwd(bwd, *args):
 
 def check() -> None:
     """Raise ImportError naming any internal symbol jgraph relies on that this JAX lacks."""
+    from jax._src import core as jax_core
     from jax._src import custom_derivatives
     from jax._src.lax.control_flow import loops
 
@@ -83,6 +99,7 @@ def check() -> None:
         "jax._src.lax.windowed_reductions._select_and_gather_add":
             (windowed_reductions, "_select_and_gather_add"),
         "jax._src.xla_bridge.canonicalize_platform": (xla_bridge, "canonicalize_platform"),
+        "jax._src.core.NamedAxisEffect": (jax_core, "NamedAxisEffect"),
         "jax._src.custom_derivatives.custom_jvp_call_p": (custom_derivatives, "custom_jvp_call_p"),
         "jax._src.custom_derivatives.custom_vjp_call_p": (custom_derivatives, "custom_vjp_call_p"),
         "jax._src.lax.control_flow.loops.scan_p": (loops, "scan_p"),

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgraph import _jax_internals as internals
 from jgraph import errors, vjp
 from jgraph.builder import Builder
 from jgraph.check import validate
@@ -104,8 +105,9 @@ def backward(graph: Graph, *, loop_policy=None) -> Graph:
     seeds = graph.inputs_with_role("loss_seed")
     if len(seeds) > 1:
         raise TransformError(f"backward: {len(seeds)} loss_seed inputs; a graph has at most one")
-    seed = seeds[0] if seeds else Literal(np.ones((), loss.aval.dtype), loss.aval)
+    seed, seed_eqns = _seed(loss, seeds)
     grads, forward, eqns = _backward_eqns(graph, loss, params, seed, loop_policy)
+    eqns = seed_eqns + eqns
     joint = dce(graph.replace(
         eqns=forward + eqns,
         outputs=graph.outputs + tuple(grads),
@@ -116,6 +118,18 @@ def backward(graph: Graph, *, loop_policy=None) -> Graph:
     # What remat needs to re-derive this graph with a policy inside its loops (valid while the
     # eqns are these).
     return joint.replace(info={**joint.info, "backward_of": (graph, joint.eqns)})
+
+
+def _seed(loss, seeds):
+    """The loss cotangent (the `loss_seed` input, or 1) and the eqns computing it, if any."""
+    if seeds:
+        return seeds[0], ()
+    if internals.shard_map_typed(loss.aval) is None:
+        return Literal(np.ones((), loss.aval.dtype), loss.aval), ()
+    # Inside shard_map a per-device loss varies over mesh axes, and so must its seed (a literal
+    # does not): JAX's own backward casts it with `pvary` too.
+    b = Builder(tags={"backward"})
+    return b.call(jnp.ones_like, loss)[0], tuple(b.eqns)
 
 
 def rederived(graph: Graph, loop_policy) -> Graph | None:

@@ -90,7 +90,9 @@ class Builder:
         transformed), not the line of `fn`, which is jgraph's own code. `static` values must be
         hashable: they are part of the template's cache key.
         """
-        avals = tuple((tuple(a.aval.shape), a.aval.dtype, a.aval.weak_type) for a in inputs)
+        typed = internals.shard_map_typed
+        avals = tuple((tuple(a.aval.shape), a.aval.dtype, a.aval.weak_type, typed(a.aval))
+                      for a in inputs)
         steps, out_refs = _template(fn, tuple(sorted(static.items())), avals, _trace_config())
         values = list(inputs)
         tags, regions, source, eqns = self.tags, self.regions, self.source, self.eqns
@@ -134,7 +136,7 @@ class Builder:
         rewrite = _HANDLERS.get(name)
         if rewrite is not None:
             return rewrite(self, eqn, inputs)
-        if eqn.effects:
+        if eqn.effects and not internals.harmless_effects(eqn.effects):
             effects = ", ".join(sorted(map(str, eqn.effects)))
             raise TraceError(f"primitive {name!r} has side effects ({effects}), which jgraph does "
                              f"not support, at {self.source}")
@@ -182,10 +184,12 @@ def _template(fn, static_items, avals, config):
         none_mask[:] = [o is None for o in outs]
         return [o for o in outs if o is not None]
 
-    specs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
+    # Inside shard_map, the avals themselves: they carry the mesh axes a value varies over.
+    specs = [ShapedArray(s, d, weak_type=w) if typed is None else typed
+             for s, d, w, typed in avals]
     closed = jax.make_jaxpr(flat_fn)(*specs)
     scratch = Builder()
-    inputs = tuple(Var(ShapedArray(s, d, weak_type=w)) for s, d, w in avals)
+    inputs = tuple(Var(aval) for aval in specs)
     outs = scratch.inline(closed.jaxpr, closed.consts, inputs)
     from jgraph.passes import dce
 

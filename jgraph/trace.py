@@ -63,6 +63,20 @@ def _check_leaves(example_args) -> None:
 
 def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
     """Trace `fn(*example_args)` into a forward graph."""
+    graph, closed_over = trace_closure(fn, *example_args, param_argnums=param_argnums,
+                                       has_aux=has_aux)
+    if closed_over:
+        raise TraceError(f"the function closes over {len(closed_over)} traced value(s) of an "
+                         "enclosing transform (jax.jit, vmap, grad, ...), which a graph cannot "
+                         "hold: pass them as arguments (jg.value_and_grad handles this itself)")
+    return graph
+
+
+def trace_closure(fn, *example_args, param_argnums=None, has_aux=False):
+    """`trace`, for a function that may close over traced values of an enclosing transform (a
+    loss defined inside the user's `jax.jit`, reading its batch): those values become one more
+    positional argument of the graph, a tuple after `example_args`, with role `data`. Returns
+    (graph, the closed-over values, to be passed there; empty when there are none)."""
     argnums = _normalize_argnums(param_argnums, len(example_args))
     _check_leaves(example_args)
     flat_args, in_tree = jax.tree.flatten(tuple(example_args))
@@ -87,14 +101,23 @@ def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
     out_tree = out_tree_box[-1]
 
     inputs = tuple(Var(v.aval) for v in closed.jaxpr.invars)
+    # A constant that is a tracer belongs to an enclosing trace: it is an input, not a literal.
+    hoisted = {id(c): Var(v.aval) for c, v in zip(closed.consts, closed.jaxpr.constvars,
+                                                   strict=True) if isinstance(c, jax.core.Tracer)}
+    closed_over = list({id(c): c for c in closed.consts if id(c) in hoisted}.values())
+    consts = [hoisted.get(id(c), c) for c in closed.consts]
     builder = Builder()
-    outputs = tuple(builder.inline(closed.jaxpr, closed.consts, inputs))
+    outputs = tuple(builder.inline(closed.jaxpr, consts, inputs))
 
     # Roles: leaves of the param arguments are params; a single floating scalar is the loss.
     arg_sizes = [len(jax.tree.leaves(a)) for a in example_args]
     input_roles = []
     for i, size in enumerate(arg_sizes):
         input_roles += ["param" if i in argnums else "data"] * size
+    if closed_over:
+        inputs += tuple(hoisted[id(c)] for c in closed_over)
+        input_roles += ["data"] * len(closed_over)
+        in_tree = jax.tree.structure((*example_args, tuple(closed_over)))
     n_loss = out_tree.children()[0].num_leaves if has_aux else out_tree.num_leaves
     output_roles = ["aux"] * len(outputs)
     if n_loss == 1 and outputs and _is_scalar_float(outputs[0].aval):
@@ -111,4 +134,4 @@ def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
         param_argnums=param_argnums,
         has_aux=has_aux,
     )
-    return check(graph) if config.check_graphs else graph
+    return (check(graph) if config.check_graphs else graph), closed_over

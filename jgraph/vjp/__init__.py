@@ -47,8 +47,8 @@ NON_DIFFERENTIABLE = frozenset(
 NO_VJP_RULE = {
     **dict.fromkeys(("psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
                      "ragged_all_to_all", "axis_index"),
-                    "a collective over named axes: only meaningful inside shard_map/pmap, which "
-                    "jgraph does not trace (use jg.Optimizer(mesh=...) for data parallelism)"),
+                    "a collective over named axes (inside shard_map/pmap): jgraph differentiates "
+                    "shard_map's typed collectives only (check_vma=True: pvary and psum)"),
     **dict.fromkeys(("igamma", "igammac", "igamma_grad_a", "random_gamma",
                      "regularized_incomplete_beta", "zeta"),
                     "special function without a jgraph rule yet (jax.scipy.special.gammainc, "
@@ -154,6 +154,7 @@ def deflinear(op: str, fn: Callable) -> None:
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
 from jgraph import control_flow, custom_derivatives  # noqa: E402,F401  (tracer handlers)
 from jgraph.vjp import (  # noqa: E402
+    collectives,
     contractions,
     custom,
     elementwise,
@@ -167,6 +168,6 @@ from jgraph.vjp import (  # noqa: E402
 )
 
 __all__ = ["CUTS_GRADIENT", "NON_DIFFERENTIABLE", "NO_VJP_RULE", "add_cotangents", "apply_rule",
-           "contractions", "custom", "defbinary", "deflinear", "defunary", "defvjp",
+           "collectives", "contractions", "custom", "defbinary", "deflinear", "defunary", "defvjp",
            "elementwise", "fft", "indexing", "linalg", "linear_solve", "loops", "reductions",
            "structural", "unbroadcast", "vjp_rules"]

@@ -1,0 +1,157 @@
+"""Drop-in benchmarks: `jg.value_and_grad` in a user's jitted train step vs `jax.value_and_grad`.
+
+The train step is the usual one (value_and_grad + optax adam update, params and optimizer state
+donated), written once with each transform. Rows, per model (the MLP and the transformer block
+of `bench_backward`):
+- step time: interleaved medians of the two compiled steps (bar: ratio <= 1.02);
+- first call: trace + backward + compile + run of a fresh `jax.jit(train_step)` (a new function,
+  so no cache of either library's is hit for it; per-process caches of both stay warm, as in a
+  program that compiles several steps), interleaved medians (bar: ratio <= 1.3);
+- first call in a fresh process (every cache cold: jgraph's rule templates, JAX's jaxpr caches),
+  timed inside child processes started in turn, median (same bar).
+The notes say whether the two steps' results are bitwise equal, and how the two optimized HLO
+programs compare (identical up to names: any difference of time is noise).
+
+    python -m benchmarks.bench_dropin [--quick]
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+import jgraph as jg
+from benchmarks import interleaved_medians
+from benchmarks.bench_backward import _block_args, _mlp_args, mlp, transformer_block
+
+TX = optax.adam(1e-3)
+
+
+def make_step(value_and_grad, loss):
+    """A fresh jitted train step (a new function object each call: nothing cached for it)."""
+
+    def train_step(params, opt_state, x):
+        value, grads = value_and_grad(loss)(params, x)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def _copy(tree):
+    return jax.tree.map(lambda a: a.copy(), tree)
+
+
+def step_row(name, loss, params, x, quick) -> dict:
+    steps = {"jgraph": make_step(jg.value_and_grad, loss), "jax": make_step(jax.value_and_grad,
+                                                                            loss)}
+    states = {k: (_copy(params), TX.init(params)) for k in steps}
+    results = {k: steps[k](*_copy(states[k]), x) for k in steps}
+    bitwise = all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(results["jgraph"]), jax.tree.leaves(results["jax"]), strict=True))
+
+    def run(k):
+        def one():
+            p, s, value = steps[k](*states[k], x)
+            states[k] = (p, s)
+            return value
+        return one
+
+    hlo = hlo_relation(*(step.lower(params, TX.init(params), x).compile().as_text()
+                         for step in steps.values()))
+    t = interleaved_medians({k: run(k) for k in steps}, repeats=30 if quick else 300, warmup=5)
+    return {"benchmark": f"drop-in step: {name}", "jgraph": f"{t['jgraph'] * 1e3:.3f} ms",
+            "reference": f"{t['jax'] * 1e3:.3f} ms", "ratio": t["jgraph"] / t["jax"],
+            "note": f"jitted value_and_grad + adam, donated; first step bitwise equal: "
+                    f"{bitwise}; optimized HLO {hlo}; bar <= 1.02"}
+
+
+def hlo_relation(ours: str, theirs: str) -> str:
+    """How two compiled programs compare, up to instruction names and source metadata:
+    "identical", "the same instructions in another order", or their instruction counts."""
+    def instructions(text):
+        lines = [re.sub(r"metadata=\{.*?\}", "", line) for line in text.splitlines()
+                 if " = " in line]
+        return [re.sub(r"%?[\w.\-]+ = ", "v = ", re.sub(r"%[\w.\-]+", "%v", line))
+                for line in lines]
+
+    a, b = instructions(ours), instructions(theirs)
+    if a == b:
+        return "identical to JAX's"
+    if sorted(a) == sorted(b):
+        return "the same instructions as JAX's, in another order"
+    return f"{len(a)} instructions vs JAX's {len(b)}"
+
+
+def first_call_row(name, loss, params, x, quick) -> dict:
+    def first_call(value_and_grad):
+        def run():
+            step = make_step(value_and_grad, loss)
+            return step(_copy(params), TX.init(params), x)[2]
+        return run
+
+    # Each call builds and compiles a new step; interleaved, so both see the same machine load.
+    t = interleaved_medians({"jgraph": first_call(jg.value_and_grad),
+                             "jax": first_call(jax.value_and_grad)},
+                            repeats=3 if quick else 9, warmup=1)
+    return {"benchmark": f"drop-in first call: {name}", "jgraph": f"{t['jgraph']:.3f} s",
+            "reference": f"{t['jax']:.3f} s", "ratio": t["jgraph"] / t["jax"],
+            "note": "trace + backward + compile + one step of a fresh jitted train step; "
+                    "bar <= 1.3"}
+
+
+def cold_first_call_row(index, quick) -> dict:
+    """The first call in a new process: each child times one first call of one library."""
+    def child(library):
+        code = (f"import time, jax; from benchmarks.bench_dropin import *; "
+                f"name, loss, params, x = models({quick})[{index}]; "
+                f"vg = {library}.value_and_grad; step = make_step(vg, loss); "
+                f"opt = TX.init(params); start = time.perf_counter(); "
+                f"jax.block_until_ready(step(params, opt, x)); "
+                f"print(time.perf_counter() - start)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parent.parent)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    times = {"jg": [], "jax": []}
+    for _ in range(1 if quick else 3):
+        for library in times:
+            times[library].append(child(library))
+    t = {k: float(np.median(v)) for k, v in times.items()}
+    name = models(quick)[index][0]
+    return {"benchmark": f"drop-in first call, new process: {name}",
+            "jgraph": f"{t['jg']:.3f} s", "reference": f"{t['jax']:.3f} s",
+            "ratio": t["jg"] / t["jax"],
+            "note": "as above, every cache cold (a child process per figure); bar <= 1.3"}
+
+
+def models(quick):
+    width, layers, batch = (128, 4, 64) if quick else (512, 8, 256)
+    b, t, d, heads = (2, 32, 64, 4) if quick else (8, 128, 256, 4)
+    return [(f"MLP {layers}x{width}, batch {batch}", mlp, *_mlp_args(width, layers, batch)),
+            (f"transformer block B={b} T={t} D={d}", transformer_block,
+             *_block_args(b, t, d, heads))]
+
+
+def rows(quick: bool = False) -> list[dict]:
+    out = []
+    for index, (name, loss, params, x) in enumerate(models(quick)):
+        out.append(step_row(name, loss, params, x, quick))
+        out.append(first_call_row(name, loss, params, x, quick))
+        out.append(cold_first_call_row(index, quick))
+    return out
+
+
+if __name__ == "__main__":
+    from benchmarks.run import format_table
+
+    start = time.perf_counter()
+    print(format_table(rows(quick="--quick" in sys.argv)))
+    print(f"# {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -1,0 +1,33 @@
+"""`jg.filter_value_and_grad` and `jg.filter_grad`: equinox's filter semantics.
+
+As `equinox.filter_value_and_grad`: the floating arrays among the leaves of the first argument are
+differentiated; everything else (integer arrays, Python numbers, functions, strings: the
+non-array fields of an `eqx.Module`) is not, and its gradient is None, so `eqx.apply_updates`
+takes the result as it is. Non-array leaves are static (concrete inside `fun`, part of the cache
+key), integer arrays are graph inputs. Usable bare or with options, as equinox's:
+`@jg.filter_grad` or `jg.filter_value_and_grad(loss, has_aux=True)`. Needs no equinox at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jgraph.dropin.transform import ValueAndGrad
+
+
+def filter_value_and_grad(fun=None, *, has_aux=False, policy=None, budget=None):
+    """`(value, grads)` of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of `x`."""
+    if fun is None:
+        return functools.partial(filter_value_and_grad, has_aux=has_aux, policy=policy,
+                                 budget=budget)
+    return ValueAndGrad(fun, 0, has_aux, policy=policy, budget=budget, filtered=True,
+                        name="jg.filter_value_and_grad")
+
+
+def filter_grad(fun=None, *, has_aux=False, policy=None, budget=None):
+    """`grads` (or `(grads, aux)`) of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of
+    `x`."""
+    if fun is None:
+        return functools.partial(filter_grad, has_aux=has_aux, policy=policy, budget=budget)
+    return ValueAndGrad(fun, 0, has_aux, policy=policy, budget=budget, value=False,
+                        filtered=True, name="jg.filter_grad")
