@@ -1,0 +1,164 @@
+"""Where XLA:CPU puts each buffer, on a schedule: the temp bytes its buffer assignment needs.
+
+Replays `buffer_assignment.cc` on the kernels of a program in XLA's order. A buffer lives from
+the kernel writing it to the last kernel reading it (a result, to the end). Allocations that
+exist before temps are placed: each donated argument a result is written into (holding the
+argument until its last reader, the result from its writer on) and each result that is not
+aliased. XLA places buffers largest first, each into the first of these it fits without
+overlapping what is already there (the allocations of the buffers its writer reads first, then
+the smallest): so a donated parameter XLA copied early holds activations until its update is
+written. The other temps go to the heap, where a kernel writing elementwise over an operand that
+dies there reuses its slot; the temp size is the heap's peak of live bytes, each buffer aligned
+to 64 bytes, plus whatever a kernel needs only while it runs (a loop body's own peak).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from jgraph.memory.program import IN_PLACE, Kernel, Value, shareable
+
+
+class Allocation:
+    """A donated argument's or a result's allocation: values at offset 0, live ranges apart."""
+
+    __slots__ = ("size", "starts", "spans")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.starts: list[int] = []  # sorted
+        self.spans: list[tuple[int, int, Value]] = []  # (start, end, value), sorted by start
+
+    def add(self, value: Value) -> None:
+        i = bisect.bisect(self.starts, value.start)
+        self.starts.insert(i, value.start)
+        self.spans.insert(i, (value.start, value.end, value))
+
+    def fits(self, value: Value) -> bool:
+        if value.size > self.size:
+            return False
+        i = bisect.bisect(self.starts, value.start)
+        if i > 0:  # the span starting before: must end before this one starts
+            start, end, other = self.spans[i - 1]
+            if end > value.start or (end == value.start and not _in_place(other, value)):
+                return False
+        if i < len(self.spans):
+            start, end, other = self.spans[i]
+            if start < value.end or (start == value.end and not _in_place(value, other)):
+                return False
+        return True
+
+
+def _in_place(old: Value, new: Value) -> bool:
+    """`new` is written, in place, by the kernel that reads `old` last."""
+    k = new.kernel
+    return k is not None and old in k.reads and (
+        shareable(k) or (k.root is not None and k.root.op in IN_PLACE))
+
+
+@dataclass
+class Placement:
+    peak: int  # temp bytes: the heap's peak, plus workspaces
+    peak_step: int  # index in the order where it is reached (-1: nothing runs)
+    live: list[int]  # per step of the order: temp bytes live while it runs
+    hidden: list[Value]  # temps held in donated arguments' or results' allocations
+    at_peak: list[Value]  # heap temps live at the peak
+
+
+def place(order: list[Kernel], values: list[Value], aliased, results) -> Placement:
+    end = len(order)
+    pos = {k: i for i, k in enumerate(order)}
+    returned = set(results)
+    live_values = []
+    for v in values:
+        if v.kernel is not None and v.kernel not in pos:
+            continue  # written by a kernel XLA removes
+        v.start = -1 if v.kernel is None else pos[v.kernel]
+        v.end = max((pos[r] for r in v.readers if r in pos), default=v.start)
+        if v in returned or v.kind in ("output", "state"):
+            v.end = end
+        v.home = None
+        live_values.append(v)
+    hidden = _reuse_allocations(live_values, aliased, end)
+    return _heap(order, live_values, hidden)
+
+
+def _reuse_allocations(values, aliased, end) -> list[Value]:
+    allocations = []
+    home = {}
+    for arg, result in aliased:
+        if result.kernel is None:
+            continue
+        a = Allocation(arg.size)
+        arg.end = max(arg.end, -1)
+        a.add(arg)
+        if result.start > arg.end:
+            a.add(result)
+        else:  # written by the kernel reading the argument last: in place
+            a.spans[-1] = (arg.start, end, arg)
+        allocations.append(a)
+        home[arg] = home[result] = a
+    for v in values:
+        if v.kind == "output" and v.kernel is not None and v not in home:
+            a = Allocation(v.size)
+            a.add(v)
+            allocations.append(a)
+            home[v] = a
+    if not allocations:
+        return []
+    allocations.sort(key=lambda a: a.size)
+    sizes = [a.size for a in allocations]
+    placed = []
+    temps = sorted((v for v in values if v.kind == "temp"), key=lambda v: (-v.size, v.start))
+    for t in temps:
+        first = [home[r] for r in t.kernel.reads if r in home]
+        rest = allocations[bisect.bisect_left(sizes, t.size):]
+        for a in first + rest:
+            if a.fits(t):
+                a.add(t)
+                home[t] = a
+                t.home = a
+                placed.append(t)
+                break
+    return placed
+
+
+def _heap(order: list[Kernel], values: list[Value], hidden: list[Value]) -> Placement:
+    hidden = set(hidden)
+    heap = [v for v in values if v.kind == "temp" and v not in hidden]
+    born: dict[int, list[Value]] = {}
+    dying: dict[int, list[Value]] = {}
+    for v in heap:
+        born.setdefault(v.start, []).append(v)
+        dying.setdefault(v.end, []).append(v)
+    in_heap = set(heap)
+    alive: set[Value] = set()
+    slot_of: dict[Value, Value] = {}  # a value writing over an operand -> that operand
+    current, live, peak, peak_step = 0, [], 0, -1
+    for i, k in enumerate(order):
+        taken = set()
+        for out, operand in k.shares:
+            if out in in_heap and out not in slot_of and operand in alive and operand.end == i \
+                    and operand not in taken and out.heap_size == operand.heap_size \
+                    and out.start == i:
+                taken.add(operand)
+                slot_of[out] = operand
+        for v in born.get(i, ()):
+            alive.add(v)
+            if v not in slot_of:
+                current += v.heap_size
+        now = current + k.workspace
+        live.append(now)
+        if now > peak:
+            peak, peak_step = now, i
+        for v in dying.get(i, ()):
+            if v in taken:
+                alive.discard(v)  # its slot goes on in the value written over it
+                continue
+            alive.discard(v)
+            current -= v.heap_size
+    at_peak = []
+    if peak_step >= 0:
+        at_peak = [v for v in heap if v.start <= peak_step <= v.end]
+    return Placement(peak, peak_step, live, sorted(hidden, key=lambda v: v.start), at_peak)
