@@ -10,6 +10,11 @@ Every op gets a *kind* (`kind(eqn)`), read off XLA:CPU's instruction fusion
     expensive  loop-fusible but never duplicated, and never fused into a consumer that reads each
                element more than once (tanh, exp, log, divide, gather, ...)
     reduce     loop-fusible and expensive; a consumer reading it elementwise may fuse it
+    library    a reduction XLA:CPU hands to YNNPACK (f32 sum, max or min of at least 4096
+               elements): fuses only elementwise producers nothing else reads, and is fused
+               into nothing
+    tree       a reduction XLA splits into a reduce_window and a reduce (a reduced dimension
+               longer than 32): its operand is materialised, its result fuses like a reduce
     dot        a library call: its output is a buffer and so are its operands (transposes of
                them fold into the call); batch dimensions that are not leading cost a copy
     opaque     its output is a buffer and so are its operands (convolution, reduce_window,
@@ -118,7 +123,7 @@ def kind(eqn: Eqn) -> str:
     if op in EXPENSIVE:
         return "expensive"
     if op in REDUCE:
-        return "reduce"
+        return reduce_path(eqn)
     if op == "dot_general":
         return "dot"
     if op in LOOPS:
@@ -126,6 +131,34 @@ def kind(eqn: Eqn) -> str:
     if op in RNG:
         return "rng"
     return "opaque"
+
+
+LIBRARY_MIN_ELEMENTS = 4096  # below this XLA:CPU keeps a reduction in its own emitter
+TREE_MIN_EXTENT = 33  # XLA's tree reduction rewriter splits a reduced dimension this long
+
+
+def reduce_path(eqn: Eqn) -> str:
+    """How XLA:CPU runs a reduction: "library" (YNNPACK), "tree" or "reduce" (a loop)."""
+    x = eqn.inputs[0].aval if isinstance(eqn.inputs[0], Var) else None
+    axes = eqn.params.get("axes", ())
+    if x is None or not axes:
+        return "reduce"
+    if eqn.op in ("reduce_sum", "reduce_max", "reduce_min") and x.dtype == np.float32 \
+            and x.size >= LIBRARY_MIN_ELEMENTS:
+        return "library"
+    if eqn.op != "argmax" and eqn.op != "argmin" and any(
+            x.shape[a] >= TREE_MIN_EXTENT for a in axes):
+        return "tree"
+    return "reduce"
+
+
+# Elementwise ops YNNPACK runs, so a library reduction can fuse them.
+LIBRARY_ELEMENTWISE = frozenset({
+    "abs", "ceil", "convert_element_type", "erf", "exp", "expm1", "floor", "log", "log1p",
+    "logistic", "neg", "round", "rsqrt", "sign", "sqrt", "tanh", "add", "add_any", "div", "max",
+    "min", "mul", "pow", "sub", "integer_pow", "square", "broadcast_in_dim", "transpose",
+    "slice", "pad", "concatenate", "iota",
+})
 
 
 def _is_float(eqn: Eqn) -> bool:
@@ -207,6 +240,10 @@ def workspace(eqn: Eqn) -> int:
         operand, source = eqn.inputs[1].aval, eqn.inputs[0].aval  # a variadic reduce_window,
         rank = len(operand.shape)  # the concatenated indices, and a scatter into zeros
         return aligned(rank * operand.size * 4) + 2 * aligned((rank + 1) * source.size * 4)
+    if eqn.op in REDUCE and reduce_path(eqn) == "tree":  # the reduce_window's partial sums
+        x = eqn.inputs[0].aval
+        longest = max(x.shape[a] for a in eqn.params["axes"])
+        return aligned(nbytes(eqn.outputs[0].aval) * -(-longest // 32))
     if eqn.op in ("sort", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
         return sum(aligned(nbytes(v.aval)) for v in eqn.outputs)
     return 0

@@ -27,7 +27,8 @@ from jgraph.lower import protection_plan
 from jgraph.memory import opkinds
 from jgraph.memory.opkinds import aligned
 
-FUSIBLE = frozenset({"cheap", "expensive", "reduce"})
+FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
+GROWS = frozenset({"cheap", "expensive", "reduce", "library"})  # may fuse its producers
 
 
 class Value:
@@ -194,7 +195,7 @@ def kernels(eqns: list[Eqn], root, external: set[Var], workspace) -> list[Kernel
         kernel = Kernel(eqn, role_of(eqn))
         kernel.order = index[eqn]
         kernel.workspace = workspace(eqn)
-        if kinds[eqn] in FUSIBLE:
+        if kinds[eqn] in GROWS:
             _grow(kernel, producer, kinds, readers, unfused, needed, index, external)
         else:
             for a in eqn.inputs:
@@ -216,6 +217,7 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
     """Fuse producers into `kernel`, latest first, while XLA would."""
     members = {kernel.root}
     reused = {kernel.root: False}  # members whose elements the kernel reads more than once
+    copied = set()  # members fused as copies: the original still runs for other readers
     todo = []
 
     def push(member):
@@ -232,22 +234,35 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
             unfused[out].discard(member)
             continue
         reuse = opkinds.reuses(member, k) or reused[member]
-        if out is not None and _fusible(p, kinds, readers, unfused, members, reuse, external):
+        outside = out is not None and (out in external or any(
+            r not in members or r in copied for r in unfused[out]))
+        library = kinds[kernel.root] == "library"
+        if out is not None and _fusible(p, kinds, readers, outside, reuse, external, library):
             members.add(p)
             reused[p] = reuse
+            if outside:
+                copied.add(p)
             kernel.eqns.append(p)
             unfused[out] -= members
-            push(p)
+            if kinds[p] == "tree":  # its reduce_window reads a materialised operand
+                needed.update(producer[a] for a in p.inputs if a in producer)
+            else:
+                push(p)
         else:
             needed.add(p)
 
 
-def _fusible(p, kinds, readers, unfused, members, reuse, external) -> bool:
+def _fusible(p, kinds, readers, outside, reuse, external, library=False) -> bool:
+    """Whether XLA fuses producer `p` into a kernel (`outside`: p has readers outside it, so
+    fusing duplicates it; `reuse`: the kernel reads p's elements more than once; `library`: the
+    kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads)."""
     kind, out = kinds[p], p.outputs[0]
     if kind not in FUSIBLE:
         return False
+    if library:
+        return not outside and kind in ("cheap", "expensive") \
+            and p.op in opkinds.LIBRARY_ELEMENTWISE
     expensive = kind != "cheap"
-    outside = out in external or any(r not in members for r in unfused[out])
     if outside:
         if expensive and not opkinds.always_duplicated(p):
             return False
