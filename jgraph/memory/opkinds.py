@@ -175,17 +175,24 @@ def always_duplicated(eqn: Eqn) -> bool:
     return False
 
 
-def shrinks(eqn: Eqn) -> bool:
-    """XLA will not duplicate a producer that reads more than it writes from several large
-    operands (`ComputeGloballyUnfusible`), unless every consumer can fuse it."""
+def shrinks(eqn: Eqn, broadcast) -> bool:
+    """XLA will not duplicate a producer that reads more than it writes from more than one
+    operand that is not a broadcast (`ComputeGloballyUnfusible`), unless every consumer can fuse
+    it. `broadcast(atom)`: the atom is a broadcast (or an iota, or a constant)."""
     if eqn.op == "taint":  # select(pred(anchor[0]), 0, x): reads one element of the anchor
         return False
     out = eqn.outputs[0].aval
-    rank = len(out.shape)
-    large = [a for a in eqn.inputs if isinstance(a, Var) and len(a.aval.shape) >= rank > 0]
+    rank = _true_rank(out.shape)
+    large = [a for a in eqn.inputs if isinstance(a, Var) and not broadcast(a)
+             and _true_rank(a.aval.shape) >= rank]
     if len(large) <= 1:
         return False
-    return sum(int(np.prod(a.aval.shape)) for a in large) > int(np.prod(out.shape))
+    unique = {id(a): a for a in eqn.inputs if isinstance(a, Var)}.values()
+    return sum(int(np.prod(a.aval.shape)) for a in unique) > int(np.prod(out.shape))
+
+
+def _true_rank(shape) -> int:
+    return sum(d > 1 for d in shape)
 
 
 def reuses(eqn: Eqn, k: int) -> bool:

@@ -29,6 +29,7 @@ from jgraph.memory.opkinds import aligned
 
 FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
 GROWS = frozenset({"cheap", "expensive", "reduce", "library"})  # may fuse its producers
+LOOP = frozenset({"cheap", "expensive", "reduce"})  # loop fusions
 
 
 class Value:
@@ -226,6 +227,9 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
             if p is not None:
                 heapq.heappush(todo, (-index[p], id(member), k, p, member))
 
+    def broadcast(a):
+        return a in producer and producer[a].op in ("broadcast_in_dim", "iota")
+
     push(kernel.root)
     while todo:
         _, _, k, p, member = heapq.heappop(todo)
@@ -237,7 +241,8 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
         outside = out is not None and (out in external or any(
             r not in members or r in copied for r in unfused[out]))
         library = kinds[kernel.root] == "library"
-        if out is not None and _fusible(p, kinds, readers, outside, reuse, external, library):
+        if out is not None and _fusible(p, kinds, readers, outside, reuse, external, broadcast,
+                                        library):
             members.add(p)
             reused[p] = reuse
             if outside:
@@ -252,7 +257,7 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
             needed.add(p)
 
 
-def _fusible(p, kinds, readers, outside, reuse, external, library=False) -> bool:
+def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library) -> bool:
     """Whether XLA fuses producer `p` into a kernel (`outside`: p has readers outside it, so
     fusing duplicates it; `reuse`: the kernel reads p's elements more than once; `library`: the
     kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads)."""
@@ -266,8 +271,8 @@ def _fusible(p, kinds, readers, outside, reuse, external, library=False) -> bool
     if outside:
         if expensive and not opkinds.always_duplicated(p):
             return False
-        if opkinds.shrinks(p) and (out in external or any(
-                kinds[r] not in FUSIBLE for r in readers[out])):
+        if opkinds.shrinks(p, broadcast) and (out in external or any(
+                kinds[r] not in LOOP for r in readers[out])):
             return False
     if expensive and reuse:
         return False
