@@ -21,6 +21,7 @@ Every op gets a *kind* (`kind(eqn)`), read off XLA:CPU's instruction fusion
                scatter, sort, FFT, linear algebra, and any op this table does not know)
     loop       scan, cond, while: buffers for its results, and the body's own buffers inside
     rng        threefry random bits: a small while loop whose two halves are materialised
+    expanded   an op XLA expands into several shared intermediates, all materialised (erf)
 
 `workspace(eqn)` is the bytes an op needs only while it runs (XLA's expansion of
 `select_and_scatter_add` into index iotas and a scatter, threefry's loop state). Tables are
@@ -68,7 +69,7 @@ CHEAP = frozenset({
 })
 EXPENSIVE = frozenset({
     "div", "rem", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt",
-    "cbrt", "pow", "erf", "erfc", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
+    "cbrt", "pow", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
     "igamma_grad_a", "random_gamma_grad", "bessel_i0e", "bessel_i1e", "atan2", "atan", "asin",
     "acos", "atanh", "asinh", "acosh", "sinh", "cosh", "tan", "polygamma", "zeta",
     "regularized_incomplete_beta", "gather",
@@ -130,6 +131,8 @@ def kind(eqn: Eqn) -> str:
         return "loop"
     if op in RNG:
         return "rng"
+    if op in EXPANDED:
+        return "expanded"
     return "opaque"
 
 
@@ -228,12 +231,25 @@ def _needs_copy(rank: int, contract, batch) -> bool:
     return not (block and (min(pos) == 0 or max(pos) == len(rest) - 1))
 
 
+# Ops XLA expands into a computation whose shared intermediates it materialises, so their
+# readers recompute them from these: threefry's two words per output word; erf and erfc's
+# rational approximation (|x| and the quotient) and exp(-x^2), which their derivative shares.
+EXPANDED = {"random_bits": 2, "random_split": 2, "random_fold_in": 2, "random_seed": 2,
+            "threefry2x32": 2, "erf": 3, "erfc": 3}
+
+
+def conv_operand_copies(eqn: Eqn) -> tuple[bool, bool]:
+    """Whether each operand of a convolution needs a transposed copy: XLA:CPU convolves an
+    input laid out (batch, spatial..., feature) with a kernel laid out (spatial..., in, out)."""
+    numbers = eqn.params["dimension_numbers"]
+    lhs, rhs = tuple(numbers.lhs_spec), tuple(numbers.rhs_spec)
+    r = len(lhs)
+    return (lhs != (0, r - 1, *range(1, r - 1)), rhs != (r - 1, r - 2, *range(r - 2)))
+
+
 def output_bytes(eqn: Eqn) -> list[int]:
-    """Bytes of each output's buffer: threefry materialises two words per output word."""
-    sizes = [nbytes(v.aval) for v in eqn.outputs]
-    if eqn.op in RNG:
-        return [2 * s for s in sizes]
-    return sizes
+    """Bytes of each output's buffer (see `EXPANDED`)."""
+    return [EXPANDED.get(eqn.op, 1) * nbytes(v.aval) for v in eqn.outputs]
 
 
 RNG_LOOP_OVERHEAD = 14 * ALIGN  # threefry's loop: counter, key words, their copies, the tuple

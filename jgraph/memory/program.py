@@ -22,13 +22,15 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jgraph.ir import Eqn, Graph, Literal, Var
 from jgraph.lower import protection_plan
 from jgraph.memory import opkinds
 from jgraph.memory.opkinds import aligned
 
 FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
-GROWS = frozenset({"cheap", "expensive", "reduce", "library"})  # may fuse its producers
+GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers
 LOOP = frozenset({"cheap", "expensive", "reduce"})  # loop fusions
 
 
@@ -97,6 +99,7 @@ class Ops:
     eqns: list[Eqn] = field(default_factory=list)
     alias: dict[Var, object] = field(default_factory=dict)  # bitcast output -> its operand
     origin: dict[Eqn, Eqn] = field(default_factory=dict)  # a rewritten eqn -> the graph's eqn
+    seen: dict[tuple, tuple] = field(default_factory=dict)  # what each eqn computes (CSE)
 
     def root(self, atom):
         while isinstance(atom, Var) and atom in self.alias:
@@ -127,18 +130,44 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         inputs = eqn.inputs
         if eqn in plan:
             inputs = _taint(ops, eqn, plan[eqn], anchors, tainted)
+        if _common(ops, eqn, inputs):
+            continue
         if eqn.op == "split":
             for out in eqn.outputs:
                 _emit(ops, Eqn("slice", inputs, {}, (out,), eqn.tags, eqn.regions,
                                eqn.source), eqn)
             continue
-        if eqn.op == "dot_general" and any(opkinds.dot_operand_copies(eqn)):
+        copies = COPIES.get(eqn.op)
+        if copies is not None and any(copies(eqn)):
             inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
-                           for a, c in zip(inputs, opkinds.dot_operand_copies(eqn),
-                                           strict=True))
+                           for a, c in zip(inputs[:2], copies(eqn), strict=True)) + inputs[2:]
         _emit(ops, eqn if inputs == eqn.inputs else Eqn(
             eqn.op, inputs, eqn.params, eqn.outputs, eqn.tags, eqn.regions, eqn.source), eqn)
     return ops
+
+
+def _common(ops: Ops, eqn: Eqn, inputs) -> bool:
+    """XLA's CSE: an eqn computing what an earlier one computes is that one (the backward often
+    recomputes a forward value: `max(x, 0)` for relu's derivative). Recompute eqns differ from
+    the forward by their taint."""
+    try:
+        key = (eqn.op, tuple(ops.root(a) if isinstance(a, Var) else _literal_key(a)
+                             for a in inputs),
+               tuple(sorted(eqn.params.items())), tuple(v.aval for v in eqn.outputs))
+        hash(key)
+    except TypeError:  # unhashable params: leave it alone
+        return False
+    earlier = ops.seen.get(key)
+    if earlier is None:
+        ops.seen[key] = eqn.outputs
+        return False
+    ops.alias.update(zip(eqn.outputs, earlier, strict=True))
+    return True
+
+
+def _literal_key(a):
+    value = np.asarray(a.value) if a.value is not None else np.asarray(0)
+    return ("literal", value.dtype.str, value.shape, value.tobytes(), a.aval.weak_type)
 
 
 def _taint(ops: Ops, eqn: Eqn, step, anchors, tainted) -> tuple:
@@ -150,6 +179,11 @@ def _taint(ops: Ops, eqn: Eqn, step, anchors, tainted) -> tuple:
                        eqn.source), eqn)
         tainted[(group, x)] = out
     return tuple(tainted.get((group, a), a) if isinstance(a, Var) else a for a in eqn.inputs)
+
+
+# Ops whose operands XLA copies into the layout its kernels take.
+COPIES = {"dot_general": opkinds.dot_operand_copies,
+          "conv_general_dilated": opkinds.conv_operand_copies}
 
 
 def _folded(ops: Ops, eqn: Eqn) -> bool:
