@@ -238,6 +238,16 @@ EXPANDED = {"random_bits": 2, "random_split": 2, "random_fold_in": 2, "random_se
             "threefry2x32": 2, "erf": 3, "erfc": 3}
 
 
+def library_dot(eqn: Eqn) -> bool:
+    """Whether XLA:CPU hands a dot to YNNPACK: f32, the left operand contracting its last
+    dimension, and not tiny (its own emitter takes the rest)."""
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.inputs[0].aval
+    out = eqn.outputs[0].aval
+    return lhs.dtype == np.float32 and tuple(lc) == (len(lhs.shape) - 1,) \
+        and max(out.shape, default=1) >= 8 and min(out.shape, default=1) > 1
+
+
 def conv_operand_copies(eqn: Eqn) -> tuple[bool, bool]:
     """Whether each operand of a convolution needs a transposed copy: XLA:CPU convolves an
     input laid out (batch, spatial..., feature) with a kernel laid out (spatial..., in, out)."""

@@ -272,8 +272,8 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
             unfused[out].discard(member)
             continue
         reuse = opkinds.reuses(member, k) or reused[member]
-        outside = out is not None and (out in external or any(
-            r not in members or r in copied for r in unfused[out]))
+        outside = out is not None and (out in external or p in needed or any(
+            r not in members or r in copied for r in unfused[out]))  # fusing p copies it
         library = kinds[kernel.root] == "library"
         if out is not None and _fusible(p, kinds, readers, outside, reuse, external, broadcast,
                                         library):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from jgraph.memory import opkinds
 from jgraph.memory.program import Kernel, Value
 
 
@@ -28,8 +29,10 @@ def bfs_order(kernels: list[Kernel], arguments: list[Value], results) -> list[Ke
         pending[k] = len(sources)
         for s in sources:
             readers.setdefault(s, []).append(k)
+    for rs in readers.values():
+        rs.sort(key=creation)
     queue = deque(a for a in arguments)
-    queue.extend(k for k in kernels if k in live and pending[k] == 0)
+    queue.extend(sorted((k for k in kernels if k in live and pending[k] == 0), key=creation))
     order = []
     while queue:
         node = queue.popleft()
@@ -40,6 +43,24 @@ def bfs_order(kernels: list[Kernel], arguments: list[Value], results) -> list[Ke
             if pending[r] == 0:
                 queue.append(r)
     return order
+
+
+def creation(k: Kernel) -> tuple:
+    """Where XLA creates the instruction of a kernel, which orders an operand's readers: the
+    program's own instructions (library calls, copies) in program order, then the YNNPACK
+    fusions, then the loop fusions, which the fusion pass makes from the last consumer to the
+    first, then the single ops it wraps, in program order."""
+    if k.root is None:
+        return (0, k.order)
+    kind = opkinds.kind(k.root)
+    if kind in LOOP_KINDS:
+        return (2, -k.order) if len(k.eqns) > 1 else (3, k.order)
+    if kind == "library" or (kind == "dot" and opkinds.library_dot(k.root)):
+        return (1, k.order)
+    return (0, k.order)
+
+
+LOOP_KINDS = frozenset({"cheap", "expensive", "reduce", "tree", "expanded"})
 
 
 def _needed(kernels: list[Kernel], results) -> set[Kernel]:
