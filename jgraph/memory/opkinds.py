@@ -126,6 +126,12 @@ def kind(eqn: Eqn) -> str:
     if op in REDUCE:
         return reduce_path(eqn)
     if op == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        if not lc:  # an outer product: XLA multiplies broadcasts
+            return "cheap"
+        if all(len(a.aval.shape) == len(lc) for a in eqn.inputs[:1]) and not \
+                eqn.outputs[0].aval.shape:  # a vector dot: a reduction of a product
+            return "reduce"
         return "dot"
     if op in LOOPS:
         return "loop"
@@ -208,6 +214,8 @@ def reuses(eqn: Eqn, k: int) -> bool:
         return eqn.outputs[0].aval.size > a.aval.size
     if eqn.op == "gather":
         return k == 0
+    if eqn.op == "dot_general":  # an outer product reads each element many times
+        return True
     return False
 
 
