@@ -9,7 +9,8 @@ overlapping what is already there (the allocations of the buffers its writer rea
 the smallest): so a donated parameter XLA copied early holds activations until its update is
 written. The other temps go to the heap, where a kernel writing elementwise over an operand that
 dies there reuses its slot; the temp size is the heap's peak of live bytes, each buffer aligned
-to 64 bytes, plus whatever a kernel needs only while it runs (a loop body's own peak).
+to 64 bytes but the top one, plus whatever a kernel needs only while it runs (a loop body's own
+peak).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from jgraph.memory.opkinds import ALIGN
 from jgraph.memory.program import IN_PLACE, Kernel, Value, shareable
 
 
@@ -136,6 +138,7 @@ def _heap(order: list[Kernel], values: list[Value], hidden: list[Value]) -> Plac
     alive: set[Value] = set()
     slot_of: dict[Value, Value] = {}  # a value writing over an operand -> that operand
     current, live, peak, peak_step = 0, [], 0, -1
+    paddings = [0] * ALIGN  # alive buffers by alignment padding: the top one's is not paid
     for i, k in enumerate(order):
         taken = set()
         for out, operand in k.shares:
@@ -146,18 +149,19 @@ def _heap(order: list[Kernel], values: list[Value], hidden: list[Value]) -> Plac
                 slot_of[out] = operand
         for v in born.get(i, ()):
             alive.add(v)
+            paddings[v.heap_size - v.size] += 1
             if v not in slot_of:
                 current += v.heap_size
-        now = current + k.workspace
+        top = next((p for p in range(ALIGN - 1, 0, -1) if paddings[p]), 0)
+        now = current - top + k.workspace
         live.append(now)
         if now > peak:
             peak, peak_step = now, i
         for v in dying.get(i, ()):
-            if v in taken:
-                alive.discard(v)  # its slot goes on in the value written over it
-                continue
             alive.discard(v)
-            current -= v.heap_size
+            paddings[v.heap_size - v.size] -= 1
+            if v not in taken:  # else its slot goes on in the value written over it
+                current -= v.heap_size
     at_peak = []
     if peak_step >= 0:
         at_peak = [v for v in heap if v.start <= peak_step <= v.end]

@@ -241,9 +241,23 @@ def _needs_copy(rank: int, contract, batch) -> bool:
 
 # Ops XLA expands into a computation whose shared intermediates it materialises, so their
 # readers recompute them from these: threefry's two words per output word; erf and erfc's
-# rational approximation (|x| and the quotient) and exp(-x^2), which their derivative shares.
-EXPANDED = {"random_bits": 2, "random_split": 2, "random_fold_in": 2, "random_seed": 2,
-            "threefry2x32": 2, "erf": 3, "erfc": 3}
+# rational approximation (|x| and the quotient) and exp(-x^2), which their derivative shares;
+# the index array of a batched gather or scatter (`batched_indices`).
+EXPANDED = {"batched_indices": 1, "random_bits": 2, "random_split": 2, "random_fold_in": 2,
+            "random_seed": 2, "threefry2x32": 2, "erf": 3, "erfc": 3}
+
+
+def batched_indices(eqn: Eqn) -> tuple | None:
+    """The shape of the index array XLA builds for a gather or scatter with batching dimensions
+    (indices and one iota per batching dimension, concatenated), or None."""
+    numbers = eqn.params["dimension_numbers"]
+    batch = getattr(numbers, "operand_batching_dims", ())
+    if not batch or not isinstance(eqn.inputs[1], Var):
+        return None
+    indices = eqn.inputs[1].aval
+    depth = indices.shape[-1] if indices.shape else 1
+    rows = int(np.prod(indices.shape[:-1])) if indices.shape else 1
+    return (rows, depth + len(batch))
 
 
 def library_dot(eqn: Eqn) -> bool:
@@ -275,8 +289,8 @@ RNG_LOOP_OVERHEAD = 14 * ALIGN  # threefry's loop: counter, key words, their cop
 
 def workspace(eqn: Eqn) -> int:
     """Temp bytes an op holds only while it runs, beyond its inputs and outputs."""
-    if eqn.op in RNG:
-        return 2 * sum(aligned(s) for s in output_bytes(eqn)) + RNG_LOOP_OVERHEAD
+    if eqn.op in RNG:  # the loop copies both halves of its state each round
+        return sum(aligned(s) for s in output_bytes(eqn)) + RNG_LOOP_OVERHEAD
     if eqn.op == "select_and_scatter_add":  # XLA expands it: an s32 iota per operand dimension,
         operand, source = eqn.inputs[1].aval, eqn.inputs[0].aval  # a variadic reduce_window,
         rank = len(operand.shape)  # the concatenated indices, and a scatter into zeros

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jgraph.ir import Eqn, Graph, Literal, Var
+from jgraph.ir import Eqn, Graph, Literal, ShapedArray, Var
 from jgraph.lower import protection_plan
 from jgraph.memory import opkinds
 from jgraph.memory.opkinds import aligned
@@ -137,6 +137,9 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
                 _emit(ops, Eqn("slice", inputs, {}, (out,), eqn.tags, eqn.regions,
                                eqn.source), eqn)
             continue
+        if eqn.op in ("gather", "scatter-add", "scatter", "scatter_add") \
+                and opkinds.batched_indices(eqn):
+            inputs = _batched_indices(ops, eqn, inputs)
         copies = COPIES.get(eqn.op)
         if copies is not None and any(copies(eqn)):
             inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
@@ -195,6 +198,16 @@ def _folded(ops: Ops, eqn: Eqn) -> bool:
 def _emit(ops: Ops, eqn: Eqn, origin: Eqn) -> None:
     ops.eqns.append(eqn)
     ops.origin[eqn] = origin
+
+
+def _batched_indices(ops: Ops, eqn: Eqn, inputs) -> tuple:
+    """XLA rewrites a gather or scatter with batching dimensions to one whose indices carry the
+    batch positions too: a materialised index array (the indices and iotas, concatenated)."""
+    indices = inputs[1]
+    out = Var(ShapedArray(opkinds.batched_indices(eqn), np.int32))
+    _emit(ops, Eqn("batched_indices", (indices,), {}, (out,), eqn.tags, eqn.regions,
+                   eqn.source), eqn)
+    return (inputs[0], out) + tuple(inputs[2:])
 
 
 def _operand_copy(ops: Ops, a: Var, dot: Eqn) -> Var:
@@ -298,9 +311,9 @@ def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library) ->
     kind, out = kinds[p], p.outputs[0]
     if kind not in FUSIBLE:
         return False
-    if library:
+    if library:  # formed before loop fusion: p must have no other reader in the program
         return not outside and kind in ("cheap", "expensive") \
-            and p.op in opkinds.LIBRARY_ELEMENTWISE
+            and p.op in opkinds.LIBRARY_ELEMENTWISE and len(readers[out]) == 1
     expensive = kind != "cheap"
     if outside:
         if expensive and not opkinds.always_duplicated(p):
