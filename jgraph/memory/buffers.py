@@ -18,6 +18,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+
 from jgraph.memory.opkinds import ALIGN
 from jgraph.memory.program import IN_PLACE, Kernel, Value, shareable
 
@@ -87,17 +89,16 @@ def place(order: list[Kernel], values: list[Value], aliased, results) -> Placeme
 
 
 def _reuse_allocations(values, aliased, end) -> list[Value]:
-    allocations = []
-    home = {}
+    allocations: list[Allocation] = []
+    home: dict[Value, Allocation] = {}
     for arg, result in aliased:
         if result.kernel is None:
             continue
         a = Allocation(arg.size)
-        arg.end = max(arg.end, -1)
         a.add(arg)
         if result.start > arg.end:
             a.add(result)
-        else:  # written by the kernel reading the argument last: in place
+        else:  # written by the kernel reading the argument last: in place, never free
             a.spans[-1] = (arg.start, end, arg)
         allocations.append(a)
         home[arg] = home[result] = a
@@ -109,20 +110,38 @@ def _reuse_allocations(values, aliased, end) -> list[Value]:
             home[v] = a
     if not allocations:
         return []
-    allocations.sort(key=lambda a: a.size)
-    sizes = [a.size for a in allocations]
+    by_size = sorted(range(len(allocations)), key=lambda i: allocations[i].size)
+    allocations = [allocations[i] for i in by_size]
+    index = {a: i for i, a in enumerate(allocations)}
+    sizes = np.array([a.size for a in allocations])
+    # occupied[i, t]: allocation i holds a value at step t (t = -1 .. end, shifted by one)
+    occupied = np.zeros((len(allocations), end + 2), bool)
+    for i, a in enumerate(allocations):
+        for start, stop, _ in a.spans:
+            occupied[i, start + 1:stop + 2] = True
     placed = []
     temps = sorted((v for v in values if v.kind == "temp"), key=lambda v: (-v.size, v.start))
     for t in temps:
         first = [home[r] for r in t.kernel.reads if r in home]
-        rest = allocations[bisect.bisect_left(sizes, t.size):]
-        for a in first + rest:
-            if a.fits(t):
-                a.add(t)
-                home[t] = a
-                t.home = a
-                placed.append(t)
-                break
+        chosen = next((a for a in first if a.fits(t)), None)
+        if chosen is None:  # the smallest free over the temp's life (or whose next value is
+            # written at its end by its last reader, in place; one ending at its start is the
+            # writer's operand, tried above)
+            inside = ~occupied[:, t.start + 1:t.end].any(axis=1) & (sizes >= t.size)
+            at_end = occupied[:, t.end + 1]
+            clear = np.flatnonzero(inside & ~at_end)
+            stop = clear[0] if len(clear) else len(allocations)
+            for i in np.flatnonzero(inside[:stop] & at_end[:stop]):
+                if allocations[i].fits(t):
+                    stop = i
+                    break
+            chosen = allocations[stop] if stop < len(allocations) else None
+        if chosen is not None:
+            chosen.add(t)
+            occupied[index[chosen], t.start + 1:t.end + 2] = True
+            home[t] = chosen
+            t.home = chosen
+            placed.append(t)
     return placed
 
 

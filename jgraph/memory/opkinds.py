@@ -31,6 +31,9 @@ overestimate but never hides a buffer.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from jgraph.ir import Eqn, Var
@@ -51,7 +54,7 @@ def itemsize(dtype) -> int:
 
 
 def nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * itemsize(aval.dtype)
+    return math.prod(aval.shape) * itemsize(aval.dtype)
 
 
 def aligned(size: int) -> int:
@@ -113,6 +116,7 @@ def _moves_only_unit_dims(shape, perm) -> bool:
     return kept == sorted(kept)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # eqns are immutable; plans share most of them
 def kind(eqn: Eqn) -> str:
     if aliases(eqn) is not None:
         return "alias"
@@ -171,8 +175,7 @@ LIBRARY_ELEMENTWISE = frozenset({
 
 
 def _is_float(eqn: Eqn) -> bool:
-    return any(np.issubdtype(v.aval.dtype, np.inexact) for v in eqn.outputs
-               if hasattr(v.aval.dtype, "kind"))
+    return any(getattr(v.aval.dtype, "kind", "?") in "fc" for v in eqn.outputs)
 
 
 def always_duplicated(eqn: Eqn) -> bool:
