@@ -5,21 +5,17 @@ graphs); `python -m benchmarks.bench_memory` covers every corpus and real model.
 `MemoryReport.plot`."""
 
 import builtins
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import BY_NAME
 
 import jgraph as jg
 from benchmarks.bench_memory import lm_args, transformer_lm
 from benchmarks.bench_remat import chain, chain_args
-
-sys.path.insert(0, str(Path(__file__).parent))
-import models  # noqa: E402
 
 CORPUS = ["mlp", "transformer_block", "cnn_pool_window", "scan_layers", "dropout",
           "checkpointed", "xent_optax"]
@@ -37,7 +33,7 @@ def ratio(graph, args) -> float:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's allocator is modelled")
 @pytest.mark.parametrize("name", CORPUS)
 def test_corpus_estimate_within_25_percent_of_xla(name):
-    spec = models.BY_NAME[name]
+    spec = BY_NAME[name]
     args = spec.args(seed=0)
     gb = joint(spec.fn, args, param_argnums=spec.param_argnums, has_aux=spec.has_aux)
     assert 0.75 <= ratio(gb, args) <= 1.25

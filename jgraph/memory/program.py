@@ -1,15 +1,20 @@
 """A graph as XLA:CPU runs it: kernels (fusions) reading and writing materialised buffers.
 
-`kernels(ops, ...)` replays XLA's instruction fusion (`instruction_fusion.cc` with the CPU rules
-of `opkinds`) on a schedule of eqns: consumers are visited from the last to the first; a kernel
-rooted at a loop-fusible consumer absorbs producers, latest first, while XLA would fuse them:
+`flatten(graph)` first rewrites the eqns as XLA sees them: bitcasts and identities resolved, XLA's
+CSE applied, constants folded, `split` as slices, transposed copies of dot and convolution
+operands, the index arrays of batched gathers and scatters, and the taints `jgraph.lower` puts on
+recompute eqns. `kernels(eqns, ...)` then replays XLA's instruction fusion (`instruction_fusion.cc`
+with the CPU rules of `opkinds`): consumers are visited from the last to the first; a kernel rooted
+at a fusible consumer absorbs producers, latest first, while XLA would fuse them:
 
-- the producer is loop-fusible (`cheap`, `expensive` or `reduce`) and has one output;
-- if it has readers outside the kernel, fusing duplicates it: never for an expensive producer
-  (unless it is a broadcast or a widening convert), nor for one that reads more than it writes
-  from several large operands unless every reader can fuse it;
+- the producer is fusible (`cheap`, `expensive`, `reduce` or `tree`) and has one output;
+- if it has readers outside the kernel (or is already materialised), fusing copies it: never for
+  an expensive producer (unless a broadcast or a widening convert), nor for one that reads more
+  than it writes from two operands that are not broadcasts, unless every reader is a loop fusion;
 - an expensive producer is not fused where the kernel reads its elements more than once (through
-  a broadcast, as a gather's table).
+  a broadcast, as a gather's table, in an outer product);
+- a YNNPACK reduction (`library`), formed before loop fusion, takes only elementwise producers
+  with no other reader; a `tree` reduction's operand is materialised.
 
 A producer left out of any of its readers' kernels is materialised: it roots a kernel of its own.
 A `dot` kernel folds the transposes of its operands; every other kernel (convolution, loops,
