@@ -21,7 +21,8 @@ Every op gets a *kind* (`kind(eqn)`), read off XLA:CPU's instruction fusion
                scatter, sort, FFT, linear algebra, and any op this table does not know)
     loop       scan, cond, while: buffers for its results, and the body's own buffers inside
     rng        threefry random bits: a small while loop whose two halves are materialised
-    expanded   an op XLA expands into several shared intermediates, all materialised (erf)
+    expanded   an op XLA expands into shared intermediates, all materialised (erf, erfc; the
+               index array of a gather or scatter with batching dimensions)
 
 `workspace(eqn)` is the bytes an op needs only while it runs (XLA's expansion of
 `select_and_scatter_add` into index iotas and a scatter, threefry's loop state). Tables are
