@@ -9,6 +9,7 @@ from jgraph import config, policies, testing
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
+from jgraph.dot import to_dot
 from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad  # and jg.vjp
 from jgraph.errors import GraphError, JGraphError, TraceError, TransformError
 from jgraph.interpreter import Interpreter, evaluate
@@ -35,6 +36,7 @@ __all__ = [
     "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
     "testing", "to_jax", "config",
     "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
+    "to_dot",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
     "first_micro_step",
     "value_and_grad", "grad", "vjp", "filter_value_and_grad", "filter_grad",

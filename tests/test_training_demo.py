@@ -6,6 +6,8 @@ import importlib.util
 import subprocess
 import sys
 
+import jax
+import optax
 import pytest
 
 from jgraph.__main__ import main
@@ -96,12 +98,40 @@ def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch):
     assert "interrupted after 0 of 3 epochs" in capsys.readouterr().err
 
 
+def test_the_planner_s_choice_is_described():
+    assert demo.describe_plan({}) == "no remat"
+    info = {"recomputed_eqns": {0: 20, 1: 19}, "policy": None, "budget": 4096 * 1024,
+            "segments": 2, "peak_bytes": 2048 * 1024}
+    assert demo.describe_plan(info) == ("budget 4096.0 KiB, segments 2, peak 2048.0 KiB, "
+                                        "39 eqns recomputed")
+
+
 @pytest.mark.slow
-def test_demo_reaches_95_percent_and_writes_the_plot(tmp_path):
+def test_demo_reaches_95_percent_and_writes_the_plots(tmp_path):
     png = tmp_path / "loss.png"
     run = subprocess.run([sys.executable, "-m", "jgraph", "demo", "--no-progress", "--plot",
-                          str(png)], capture_output=True, text=True, timeout=300)
+                          str(png)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    memory_png = tmp_path / "loss-memory.png"
+    assert memory_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "final val" in run.stdout and "XLA temp" in run.stdout
     assert f"loss curves written to {png}" in run.stdout
+    assert f"memory timeline written to {memory_png}" in run.stdout
+    assert "the budget planner chose:" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_memory_table_tells_the_truth_and_remat_saves():
+    """Every estimate within 25 % of XLA's temp; remat of every block (and the budget plan,
+    where the planner finds one) really lowers XLA's temp."""
+    ds, n_in = demo.load_digits_dataset()
+    params = demo.init_params(jax.random.PRNGKey(0), n_in)
+    rows = demo.memory_table(params, ds, optax.adam(1e-3), 4, (16, 256))
+    for name, batch, plan, estimate, temp, info, report in rows:
+        assert 0.75 <= estimate / temp <= 1.25, (name, batch, plan)
+        assert report.peak_bytes == estimate and (info == {}) == (plan == "no remat")
+    temps = {(n, b, p): t for n, b, p, _, t, *_ in rows}
+    for batch in (16, 256):
+        assert temps["grad", batch, "every block"] < 0.9 * temps["grad", batch, "no remat"]
+    assert temps["grad", 256, "budget 80%"] < temps["grad", 256, "no remat"]

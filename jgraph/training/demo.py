@@ -1,10 +1,11 @@
 """`python -m jgraph demo`: an MLP classifier on scikit-learn's bundled digits, trained by `jg.fit`.
 
-Gradient accumulation (logical batch 64 = 4 micro-batches of 16), remat of every block (each block
-is a `jax.checkpoint`), a progress bar, final loss and accuracy with uncertainties, a memory table
-(no remat vs remat; jgraph's estimate on the schedule vs XLA's compiled temp) and a PNG of the loss
-curves. Needs the `demo` extra: scikit-learn (the data; checked first) and matplotlib (the plot;
-without it the demo says so in one line and skips the plot). Bad arguments end in a one-line
+Gradient accumulation (logical batch 64 = 4 micro-batches of 16), remat of every residual block
+(each block is a `jax.checkpoint`), a progress bar, final loss and accuracy with uncertainties, a
+memory table (no remat, every block, the budget planner's plan; jgraph's estimate vs XLA's
+compiled temp), a PNG of the loss curves and one of the memory timeline beside it. Needs the
+`demo` extra: scikit-learn (the data; checked first) and matplotlib (the plots; without it the
+demo says so in one line and skips them). Bad arguments end in a one-line
 error and exit code 2, before any training; Ctrl-C stops the training cleanly (exit code 130).
 """
 
@@ -25,39 +26,38 @@ import optax
 
 import jgraph as jg
 
-WIDTH, DEPTH, CLASSES = 128, 2, 10
+WIDTH, HIDDEN, DEPTH, CLASSES = 128, 512, 3, 10
 
 
 def block(p, h):
-    """Two tanh layers; remat recomputes the inner activation in the backward pass."""
-    inner = jnp.tanh(h @ p["w1"] + p["b1"])
-    return jnp.tanh(inner @ p["w2"] + p["b2"])
+    """A residual MLP block, h + tanh(h W1 + b1) W2 + b2: its hidden layer, four times wider
+    than h, is what remat recomputes in the backward pass instead of keeping it."""
+    return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
 
 def model(params, x):
-    """`DEPTH` blocks and a linear head; each block is a checkpoint region."""
-    h = x
+    """An input layer, `DEPTH` residual blocks (each a checkpoint region) and a linear head."""
+    h = jnp.tanh(x @ params["embed"]["w"] + params["embed"]["b"])
     for p in params["blocks"]:
         h = jax.checkpoint(block)(p, h)
     return h @ params["head"]["w"] + params["head"]["b"]
 
 
-def _dense(key, n_in, n_out):
-    return (jax.random.normal(key, (n_in, n_out), jnp.float32) * jnp.float32(1 / np.sqrt(n_in)),
+def _dense(key, n_in, n_out, gain=1.0):
+    return (jax.random.normal(key, (n_in, n_out), jnp.float32) * jnp.float32(gain / np.sqrt(n_in)),
             jnp.zeros(n_out, jnp.float32))
 
 
 def init_params(key, n_in: int):
-    keys = jax.random.split(key, 2 * DEPTH + 1)
+    keys = jax.random.split(key, 2 * DEPTH + 2)
+    w, b = _dense(keys[0], n_in, WIDTH)
     blocks = []
     for i in range(DEPTH):
-        (w1, b1), (w2, b2) = (_dense(keys[2 * i], n_in if i == 0 else WIDTH, WIDTH),
-                              _dense(keys[2 * i + 1], WIDTH, WIDTH))
+        (w1, b1), (w2, b2) = (_dense(keys[2 * i + 1], WIDTH, HIDDEN),
+                              _dense(keys[2 * i + 2], HIDDEN, WIDTH, gain=0.5))
         blocks.append({"w1": w1, "b1": b1, "w2": w2, "b2": b2})
-    scale = lambda n: jnp.float32(1.0 / np.sqrt(n))  # noqa: E731
-    head = {"w": jax.random.normal(keys[-1], (WIDTH, CLASSES), jnp.float32) * scale(WIDTH),
-            "b": jnp.zeros(CLASSES, jnp.float32)}
-    return {"blocks": blocks, "head": head}
+    hw, hb = _dense(keys[-1], WIDTH, CLASSES)
+    return {"embed": {"w": w, "b": b}, "blocks": blocks, "head": {"w": hw, "b": hb}}
 
 
 def load_digits_dataset():
@@ -68,14 +68,33 @@ def load_digits_dataset():
     return jg.Dataset(x, digits.target.astype(np.int32)), x.shape[1]
 
 
+PLANS = ("no remat", "every block", "budget 80%")
+
+
+def _plans(no_remat_estimate: int):
+    """The Optimizer's `remat` for each plan: none, the recorded regions (each block), and the
+    budget planner (`jg.remat(gb, budget=...)`) at 80 % of no remat's estimate."""
+    return {"no remat": None, "every block": True,
+            "budget 80%": {"budget": int(0.8 * no_remat_estimate)}}
+
+
+def _loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(params, x), y).mean()
+
+
 def memory_table(params, ds, tx, period: int, batches):
-    """Rows (graph, micro-batch, remat, jgraph peak estimate, XLA temp of the donated step)."""
+    """Rows (graph, micro-batch, plan, jgraph estimate, XLA temp of the donated step, the
+    graph's remat info, its memory report); a plan no remat fits is left out."""
     rows = []
     for batch in batches:
         x, y = ds.batch(0, batch)
-        for remat in (False, True):
-            opt = jg.Optimizer(model, tx, loss="cross_entropy", period=period, remat=remat or None)
-            state = opt.init(params, x, y)
+        base = jg.memory(jg.backward(jg.trace(_loss, params, x, y, param_argnums=0))).peak_bytes
+        for plan, remat in _plans(base).items():
+            opt = jg.Optimizer(model, tx, loss="cross_entropy", period=period, remat=remat)
+            try:
+                state = opt.init(params, x, y)
+            except jg.TransformError:  # the budget planner found no plan: say so, go on
+                continue
             acc = (state.grad_acc, np.int32(0)) if period > 1 else ()
             for name in ("grad", "opt"):
                 graph = opt.graphs[name]
@@ -83,8 +102,36 @@ def memory_table(params, ds, tx, period: int, batches):
                 with warnings.catch_warnings():  # the grad step cannot reuse donated params
                     warnings.simplefilter("ignore", UserWarning)
                     temp = jg.compiled_memory(graph, *args).temp_bytes
-                rows.append((name, batch, remat, jg.memory(graph).peak_bytes, temp))
+                report = jg.memory(graph)
+                rows.append((name, batch, plan, report.peak_bytes, temp,
+                             dict(graph.info.get("remat") or {}), report))
     return rows
+
+
+def describe_plan(info: dict) -> str:
+    """The planner's choice, from the `remat` info of a planned graph (bytes in KiB)."""
+    if not info:
+        return "no remat"
+    recomputed = sum((info.get("recomputed_eqns") or {}).values())
+    parts = []
+    for key, value in info.items():
+        if key in ("recomputed_eqns", "policy") or isinstance(value, dict):
+            continue
+        name = key.replace("_", " ")
+        if isinstance(value, int) and ("bytes" in key or key == "budget"):
+            parts.append(f"{name.replace(' bytes', '')} {value / 1024:.1f} KiB")
+        else:
+            parts.append(f"{name} {value}")
+    return ", ".join(parts + [f"{recomputed} eqns recomputed"])
+
+
+def plot_memory(rows, path: Path) -> None:
+    """The memory timeline of each plan's grad micro-step at the largest micro-batch."""
+    batch = max(r[1] for r in rows)
+    chosen = [r for r in rows if r[0] == "grad" and r[1] == batch]
+    chosen[0][6].plot(path, *(r[6] for r in chosen[1:]), labels=[r[2] for r in chosen],
+                      compiled=[r[4] for r in chosen],
+                      title=f"demo grad micro-step, micro-batch {batch}: live temp bytes")
 
 
 def plot(history, path: Path) -> None:
@@ -189,8 +236,8 @@ def _run(args) -> int:
     params = init_params(jax.random.PRNGKey(0), n_in)
     tx = optax.adam(args.lr)
     period = args.batch_size // args.physical_batch_size
-    print(f"digits: {ds.ndata} images of {n_in} pixels; MLP of {DEPTH} blocks of 2 tanh layers "
-          f"x {WIDTH}, adam "
+    print(f"digits: {ds.ndata} images of {n_in} pixels; MLP of {DEPTH} residual blocks "
+          f"{WIDTH} -> {HIDDEN} -> {WIDTH}, adam "
           f"{args.lr}; logical batch {args.batch_size} = {period} micro-batches of "
           f"{args.physical_batch_size}; remat of every block; 20% validation")
     trained, history = jg.fit(model, params, ds, loss="cross_entropy", tx=tx,
@@ -207,21 +254,32 @@ def _run(args) -> int:
               f"{100 * acc_unc:.2f} %")
 
     print("\nmemory of one micro-step: grad = forward + backward + accumulate, opt = grad + adam")
-    print("(jgraph estimate: peak bytes of intermediate values alive at once on the graph's "
-          "schedule,\n the graph's inputs and outputs not counted, as XLA's temp does not count "
-          "them;\n XLA temp: temp_size_in_bytes of the compiled step with params and state "
-          "donated)")
-    print(f"  {'graph':5s} {'micro-batch':>11s} {'remat':>6s} {'jgraph estimate':>16s} "
-          f"{'XLA temp':>13s}")
+    print("(jgraph estimate: jg.memory(graph).peak_bytes, a model of XLA:CPU's fusion, schedule"
+          " and\n buffer assignment; XLA temp: temp_size_in_bytes of the compiled step, params "
+          "and state donated)")
+    print(f"  {'graph':5s} {'micro-batch':>11s} {'plan':>12s} {'jgraph estimate':>16s} "
+          f"{'XLA temp':>13s} {'ratio':>6s}")
     big = min(32 * args.physical_batch_size, ds.ndata)  # a micro-batch the data can fill
     batches = (args.physical_batch_size,) + ((big,) if big > args.physical_batch_size else ())
-    for name, batch, remat, estimate, temp in memory_table(params, ds, tx, period, batches):
-        print(f"  {name:5s} {batch:11d} {'yes' if remat else 'no':>6s} {estimate / 1024:12.1f} "
-              f"KiB {temp / 1024:9.1f} KiB")
+    rows = memory_table(params, ds, tx, period, batches)
+    for name, batch, plan, estimate, temp, _, _ in rows:
+        print(f"  {name:5s} {batch:11d} {plan:>12s} {estimate / 1024:12.1f} KiB "
+              f"{temp / 1024:9.1f} KiB {estimate / max(temp, 1):6.2f}")
+    for batch in batches:
+        temps = {plan: temp for name, b, plan, _, temp, _, _ in rows if name == "grad"
+                 and b == batch}
+        planned = [info for name, b, plan, *_, info, _ in rows
+                   if name == "grad" and b == batch and plan == PLANS[2]]
+        print(f"micro-batch {batch}: remat of every block saves "
+              f"{1 - temps[PLANS[1]] / temps[PLANS[0]]:.0%} of XLA's temp; the budget planner"
+              + (f" chose: {describe_plan(planned[0])}" if planned else " found no plan"))
 
     if not args.no_plot:
         plot(history, args.plot)
         print(f"\nloss curves written to {args.plot.resolve()}")
+        memory_png = args.plot.with_name(args.plot.stem + "-memory.png")
+        plot_memory(rows, memory_png)
+        print(f"memory timeline written to {memory_png.resolve()}")
     val_acc = history.val_accuracy[-1]
     print(f"validation accuracy {100 * val_acc:.2f} % ({'>=' if val_acc >= 0.95 else '<'} 95 %),"
           f" total {time.perf_counter() - start:.1f} s")

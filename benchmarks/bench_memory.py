@@ -1,0 +1,217 @@
+"""jg.memory against XLA: the estimate of the donated step's temp bytes vs `temp_size_in_bytes`.
+
+For every model of the test suite's corpus (`tests/models.py`) and of its real-model suite
+(`tests/real_models.py`: flax, haiku, equinox), the DESIGN §5 reference models of
+`benchmarks/bench_remat.py` (a 32-layer tanh chain, a 16-block residual MLP) with and without
+remat, a transformer LM (embedding, pre-LN blocks, tied head) with and without remat, scanned
+models of `benchmarks/bench_loops.py` and the demo's training graphs: the joint graph
+(`jg.backward`, regions applied with `jg.remat`), `jg.memory(graph).peak_bytes` and
+`jg.compiled_memory(graph, *args).temp_bytes` (XLA:CPU, default flags), and their ratio. The
+issue's bar: every ratio within [0.75, 1.25].
+
+    python -m benchmarks.bench_memory [--quick] [--plot memory.png]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jgraph as jg
+
+MIB = 2**20
+BAR = (0.75, 1.25)
+
+
+# -- a transformer LM --------------------------------------------------------------------------
+def _layer_norm(x, p):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def lm_block(p, x, heads):
+    b, t, d = x.shape
+    q, k, v = jnp.split(_layer_norm(x, p["ln1"]) @ p["qkv"], 3, axis=-1)
+    split = lambda a: a.reshape(b, t, heads, d // heads)  # noqa: E731
+    scores = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(d // heads)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+    attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), split(v)).reshape(b, t, d)
+    x = x + attn @ p["proj"]
+    return x + jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["up"]) @ p["down"]
+
+
+def transformer_lm(remat=False, heads=4):
+    """A GPT-style LM: token and position embeddings, pre-LN blocks, tied head, mean
+    cross-entropy of the next token. With `remat`, each block is a `jax.checkpoint`."""
+    block = jax.checkpoint(lm_block, static_argnums=(2,)) if remat else lm_block
+
+    def loss(params, tokens):
+        x = params["embed"][tokens[:, :-1]] + params["pos"]
+        for p in params["blocks"]:
+            x = block(p, x, heads)
+        logits = _layer_norm(x, params["ln"]) @ params["embed"].T
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss
+
+
+def lm_args(layers=2, d=64, t=32, batch=2, vocab=128):
+    rng = np.random.default_rng(3)
+
+    def w(*shape):
+        return jnp.asarray((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32))
+
+    def ln():
+        return {"scale": jnp.ones(d, jnp.float32), "bias": jnp.zeros(d, jnp.float32)}
+
+    blocks = [{"ln1": ln(), "qkv": w(d, 3 * d), "proj": w(d, d), "ln2": ln(), "up": w(d, 4 * d),
+               "down": w(4 * d, d)} for _ in range(layers)]
+    params = {"embed": w(vocab, d), "pos": w(t, d) * 0.1, "blocks": blocks, "ln": ln()}
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, t + 1), dtype=np.int32))
+    return params, tokens
+
+
+# -- the cases ---------------------------------------------------------------------------------
+def _joint(fn, args, param_argnums=0, has_aux=False, policy=None):
+    gb = jg.backward(jg.trace(fn, *args, param_argnums=param_argnums, has_aux=has_aux))
+    if policy is not None or gb.regions:
+        gb = jg.remat(gb, policy=policy)
+    return gb
+
+
+def _budget(fn, args, fraction):
+    """The joint graph planned by `jg.remat(gb, budget=...)` at `fraction` of no remat's estimate
+    (None when the planner finds no plan)."""
+    gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
+    try:
+        return jg.remat(gb, budget=int(fraction * jg.memory(gb).peak_bytes)), args
+    except jg.TransformError:
+        return None
+
+
+def _suite_cases():
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import models
+    import real_models
+
+    for spec in models.MODELS:
+        args = spec.args(seed=0)
+        yield f"corpus {spec.name}", lambda s=spec, a=args: (
+            _joint(s.fn, a, s.param_argnums, s.has_aux), a)
+    for model in real_models.MODELS:
+        yield f"real {model.name}", lambda m=model: (
+            _joint(m.built[0], m.built[1], 0, m.has_aux), m.built[1])
+
+
+def _reference_cases(quick):
+    from benchmarks import bench_loops as loops
+    from benchmarks import bench_remat as remat
+
+    chain_args = remat.chain_args(layers=8 if quick else 32)
+    for name, fn in (("no remat", remat.chain()), ("checkpoint per layer", remat.chain(1)),
+                     ("sqrt(N) segments", remat.chain(2 if quick else 6))):
+        yield f"chain{len(chain_args[0])} {name}", lambda f=fn: (_joint(f, chain_args),
+                                                                 chain_args)
+    yield f"chain{len(chain_args[0])} budget 50%", lambda: _budget(remat.chain(), chain_args, 0.5)
+    yield f"chain{len(chain_args[0])} dots_saveable", lambda: (
+        _joint(remat.chain(), chain_args, policy=jg.policies.dots_saveable), chain_args)
+    block_args = remat.block_args(blocks=4 if quick else 16)
+    for name, fn in (("no remat", remat.blocks()), ("checkpoint per block", remat.blocks(True))):
+        yield f"resmlp{len(block_args[0])} {name}", lambda f=fn: (_joint(f, block_args),
+                                                                  block_args)
+    shape = dict(layers=2, d=64, t=64, batch=4) if quick else dict(layers=8, d=256, t=256,
+                                                                   batch=8)
+    args = lm_args(**shape)
+    label = f"transformer LM x{shape['layers']} d{shape['d']} seq{shape['t']}"
+    yield f"{label} no remat", lambda: (_joint(transformer_lm(), args), args)
+    yield f"{label} checkpoint per block", lambda: (_joint(transformer_lm(True), args), args)
+    yield f"{label} budget 75%", lambda: _budget(transformer_lm(), args, 0.75)
+    yield f"{label} dots_saveable", lambda: (
+        _joint(transformer_lm(), args, policy=jg.policies.dots_saveable), args)
+    margs = loops.mlp_args(16 if quick else 64)
+    yield f"scanned MLP L={len(margs[0][0])}", lambda: (_joint(loops.scanned_mlp, margs), margs)
+    targs = loops.transformer_args(layers=2 if quick else 6, d=64 if quick else 256,
+                                   t=32 if quick else 128, batch=4 if quick else 8)
+    for ck in (False, True):
+        yield (f"scanned transformer x{len(targs[0]['qkv'])}"
+               f"{' checkpoint per layer' if ck else ''}"), lambda c=ck: (
+            _joint(loops.scanned_transformer(c), targs), targs)
+    largs = loops.lstm_args(steps=50 if quick else 200)
+    yield f"LSTM {len(largs[1])} steps", lambda: (_joint(loops.lstm, largs), largs)
+
+
+def _demo_cases(quick):
+    from jgraph.training import demo
+
+    ds, n_in = demo.load_digits_dataset()
+    params = demo.init_params(jax.random.PRNGKey(0), n_in)
+    for batch in (16,) if quick else (16, 512):
+        x, y = ds.batch(0, batch)
+        for remat in (False, True):
+            opt = jg.Optimizer(demo.model, optax.adam(1e-3), loss="cross_entropy", period=4,
+                               remat=remat or None)
+            state = opt.init(params, x, y)
+            for name in ("grad", "opt"):
+                args = (state.params, x, y, state.grad_acc, np.int32(0)) + (
+                    (state.opt_state,) if name == "opt" else ())
+                yield (f"demo {name} micro-batch {batch}{' remat' if remat else ''}",
+                       lambda o=opt, n=name, a=args: (o.graphs[n], a))
+
+
+def cases(quick: bool = False):
+    yield from _suite_cases()
+    yield from _reference_cases(quick)
+    yield from _demo_cases(quick)
+
+
+def measure(make):
+    made = make()
+    if made is None:  # a budget no plan meets
+        return None
+    graph, args = made
+    start = time.perf_counter()
+    estimate = jg.memory(graph).peak_bytes
+    took = time.perf_counter() - start
+    with warnings.catch_warnings():  # a step that cannot reuse donated buffers says so
+        warnings.simplefilter("ignore", UserWarning)
+        temp = jg.compiled_memory(graph, *args).temp_bytes
+    return estimate, temp, took
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.2f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
+
+
+def rows(quick: bool = False) -> list[dict]:
+    out = []
+    for name, make in cases(quick):
+        measured = measure(make)
+        if measured is None:
+            continue
+        estimate, temp, took = measured
+        ratio = estimate / temp if temp else float(estimate == 0)
+        inside = BAR[0] <= ratio <= BAR[1]
+        out.append({"benchmark": f"memory {name}: estimate vs XLA temp",
+                    "jgraph": _size(estimate), "reference": _size(temp), "ratio": ratio,
+                    "note": f"{'ok' if inside else 'OUTSIDE'} [0.75, 1.25]; estimate "
+                            f"{took * 1e3:.0f} ms"})
+    return out
+
+
+if __name__ == "__main__":
+    table = rows(quick="--quick" in sys.argv)
+    for row in table:
+        print(f"{row['benchmark']:78s} {row['jgraph']:>11s} {row['reference']:>11s} "
+              f"{row['ratio']:6.2f}  {row['note']}", flush=True)
+    bad = [r for r in table if not BAR[0] <= r["ratio"] <= BAR[1]]
+    print(f"{len(table) - len(bad)} of {len(table)} within {BAR}")

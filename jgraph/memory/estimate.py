@@ -1,0 +1,69 @@
+"""The memory model's driver: a graph -> XLA:CPU's temp bytes for its donated step, step by step.
+
+    program  = step_program(graph)        kernels and buffers, as XLA fuses and sizes them
+    order    = bfs_order(program)         the order XLA's scheduler runs them in
+    placement = place(order, ...)         where XLA's buffer assignment puts each buffer
+
+A loop's kernel holds, while it runs, its body's own peak (the same three steps on the body, its
+carries being the loop's state) and the loop's small buffers; a cond the largest of its branches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jgraph.ir import Eqn, Graph
+from jgraph.memory import opkinds
+from jgraph.memory.buffers import Placement, place
+from jgraph.memory.program import Kernel
+from jgraph.memory.schedule import bfs_order
+from jgraph.memory.step import Program, body_program, step_program
+
+
+@dataclass
+class Estimate:
+    program: Program
+    order: list[Kernel]  # XLA's order of the kernels
+    placement: Placement
+
+
+def estimate(graph: Graph) -> Estimate:
+    workspace = _Workspace()
+    program = step_program(graph, workspace)
+    return _run(program)
+
+
+def _run(program: Program) -> Estimate:
+    arguments = [v for v in program.values if v.kernel is None]
+    order = bfs_order(program.kernels, arguments, program.results)
+    placement = place(order, program.values, program.aliased, program.results)
+    return Estimate(program, order, placement)
+
+
+class _Workspace:
+    """`workspace(eqn)`: the temp bytes an op holds while it runs; loops by their bodies."""
+
+    def __init__(self):
+        self.cache: dict[int, int] = {}
+
+    def __call__(self, eqn: Eqn) -> int:
+        if eqn.op not in opkinds.LOOPS:
+            return opkinds.workspace(eqn)
+        key = id(eqn)
+        if key not in self.cache:
+            self.cache[key] = self._loop(eqn)
+        return self.cache[key]
+
+    def _body(self, body: Graph, n_consts: int, n_carry: int, scan: bool) -> int:
+        program = body_program(body, n_consts, n_carry, scan, self)
+        return _run(program).placement.peak + program.overhead
+
+    def _loop(self, eqn: Eqn) -> int:
+        p = eqn.params
+        if eqn.op == "scan":
+            return self._body(p["body"], p["num_consts"], p["num_carry"], True)
+        if eqn.op == "cond":
+            return max(self._body(b, len(b.inputs), 0, False) for b in p["branches"])
+        body = self._body(p["body"], p["body_nconsts"], len(eqn.outputs), False)
+        cond = self._body(p["cond_graph"], len(p["cond_graph"].inputs), 0, False)
+        return max(body, cond)

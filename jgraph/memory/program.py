@@ -1,0 +1,385 @@
+"""A graph as XLA:CPU runs it: kernels (fusions) reading and writing materialised buffers.
+
+`flatten(graph)` first rewrites the eqns as XLA sees them: bitcasts and identities resolved, XLA's
+CSE applied, constants folded, `split` as slices, transposed copies of dot and convolution
+operands, the index arrays of batched gathers and scatters, and the taints `jgraph.lower` puts on
+recompute eqns. `kernels(eqns, ...)` then replays XLA's instruction fusion (`instruction_fusion.cc`
+with the CPU rules of `opkinds`): consumers are visited from the last to the first; a kernel rooted
+at a fusible consumer absorbs producers, latest first, while XLA would fuse them:
+
+- the producer is fusible (`cheap`, `expensive`, `reduce` or `tree`) and has one output;
+- if it has readers outside the kernel (or is already materialised), fusing copies it: never for
+  an expensive producer (unless a broadcast or a widening convert), nor for one that reads more
+  than it writes from two operands that are not broadcasts, unless every reader is a loop fusion;
+- an expensive producer is not fused where the kernel reads its elements more than once (through
+  a broadcast, as a gather's table, in an outer product);
+- a YNNPACK reduction (`library`), formed before loop fusion, takes only elementwise producers
+  with no other reader; a `tree` reduction's operand is materialised.
+
+A producer left out of any of its readers' kernels is materialised: it roots a kernel of its own.
+A `dot` kernel folds the transposes of its operands; every other kernel (convolution, loops,
+random bits, unknown ops) reads materialised operands. A buffer is a `Value`, sized as XLA sizes
+it; a reshape is a bitcast, so it names the buffer of its operand.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jgraph.ir import Eqn, Graph, Literal, ShapedArray, Var
+from jgraph.lower import protection_plan
+from jgraph.memory import opkinds
+from jgraph.memory.opkinds import aligned
+
+FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
+GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers
+LOOP = frozenset({"cheap", "expensive", "reduce"})  # loop fusions
+
+
+class Value:
+    """A materialised buffer."""
+
+    __slots__ = ("var", "size", "kind", "kernel", "readers", "start", "end", "home")
+
+    def __init__(self, var, size: int, kind: str, kernel=None):
+        self.var = var  # the value it holds
+        self.size = size  # bytes, as XLA sizes the buffer
+        # "temp": counted; "input": a read-only argument (or a loop's state, seen from its body);
+        # "donated": a donated argument an output is written into; "output": a result that lives
+        # out (its allocation may hold temps before it is written); "state": written into a
+        # donated argument's allocation or into a loop's state
+        self.kind = kind
+        self.kernel = kernel  # the kernel writing it (None: an argument)
+        self.readers: list[Kernel] = []  # kernels reading it, in no order
+        self.start = self.end = 0  # live range on the schedule (set by `buffers`)
+        self.home = None  # the allocation of a donated argument or an output holding it, if any
+
+    @property
+    def heap_size(self) -> int:
+        return aligned(self.size)
+
+    def __repr__(self):
+        return f"Value({self.var}, {self.size}, {self.kind})"
+
+
+class Kernel:
+    """One XLA computation step: a fusion, a library call, a loop, a copy."""
+
+    __slots__ = ("root", "eqns", "reads", "writes", "workspace", "shares", "role", "order")
+
+    def __init__(self, root: Eqn | None, role: str):
+        self.root = root  # the eqn computed last (None: a copy the step needs)
+        self.eqns: list[Eqn] = [] if root is None else [root]  # the eqns it computes
+        self.reads: list[Value] = []  # buffers it reads, each once
+        self.writes: list[Value] = []  # buffers it writes
+        self.workspace = 0  # temp bytes alive only while it runs (a loop's body)
+        self.shares: list[tuple[Value, Value]] = []  # (output, operand): may write in place
+        self.role = role  # "forward", "backward", "recompute", "update", "copy"
+        self.order = 0  # position in the graph's schedule (ties in XLA's scheduler)
+
+    def read(self, value: Value) -> None:
+        if value not in self.reads:
+            self.reads.append(value)
+            value.readers.append(self)
+
+    def __repr__(self):
+        return f"Kernel({self.root.op if self.root else self.role}, {len(self.eqns)} eqns)"
+
+
+def role_of(eqn: Eqn) -> str:
+    if "recompute" in eqn.tags:
+        return "recompute"
+    if "backward" in eqn.tags:
+        return "backward"
+    return "forward"
+
+
+@dataclass
+class Ops:
+    """The eqns XLA computes, in schedule order, with bitcasts and identities resolved away."""
+
+    eqns: list[Eqn] = field(default_factory=list)
+    alias: dict[Var, object] = field(default_factory=dict)  # bitcast output -> its operand
+    origin: dict[Eqn, Eqn] = field(default_factory=dict)  # a rewritten eqn -> the graph's eqn
+    seen: dict[tuple, tuple] = field(default_factory=dict)  # what each eqn computes (CSE)
+
+    def root(self, atom):
+        while isinstance(atom, Var) and atom in self.alias:
+            atom = self.alias[atom]
+        return atom
+
+
+def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
+    """The graph's eqns without bitcasts and identities (`ops.root` resolves them), `split` as
+    slices, the transposed copies of dot operands XLA makes, and the taints `jgraph.lower` adds
+    to recompute eqns (each group of `no_cse` eqns reads one input through a select on the
+    anchor, so it waits for the backward to reach it). Each rewritten eqn remembers the graph's
+    eqn it comes from. Inputs keep the graph's vars (and shapes)."""
+    ops = ops or Ops()
+    plan, anchors = protection_plan(graph) if any("no_cse" in e.tags for e in graph.eqns) \
+        else ({}, [])
+    tainted: dict[tuple[int, Var], Var] = {}
+    for eqn in graph.eqns:
+        if _folded(ops, eqn):  # XLA folds constants: a constant is not a temp
+            for out in eqn.outputs:
+                ops.alias[out] = Literal(None, out.aval)
+            continue
+        src = opkinds.aliases(eqn)
+        if src is not None:
+            for out, k in zip(eqn.outputs, src, strict=True):
+                ops.alias[out] = eqn.inputs[k]
+            continue
+        inputs = eqn.inputs
+        if eqn in plan:
+            inputs = _taint(ops, eqn, plan[eqn], anchors, tainted)
+        if _common(ops, eqn, inputs):
+            continue
+        if eqn.op == "split":
+            for out in eqn.outputs:
+                _emit(ops, Eqn("slice", inputs, {}, (out,), eqn.tags, eqn.regions,
+                               eqn.source), eqn)
+            continue
+        if eqn.op in ("gather", "scatter-add", "scatter", "scatter_add") \
+                and opkinds.batched_indices(eqn):
+            inputs = _batched_indices(ops, eqn, inputs)
+        copies = COPIES.get(eqn.op)
+        if copies is not None and any(copies(eqn)):
+            inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
+                           for a, c in zip(inputs[:2], copies(eqn), strict=True)) + inputs[2:]
+        _emit(ops, eqn if inputs == eqn.inputs else Eqn(
+            eqn.op, inputs, eqn.params, eqn.outputs, eqn.tags, eqn.regions, eqn.source), eqn)
+    return ops
+
+
+def _common(ops: Ops, eqn: Eqn, inputs) -> bool:
+    """XLA's CSE: an eqn computing what an earlier one computes is that one (the backward often
+    recomputes a forward value: `max(x, 0)` for relu's derivative). Recompute eqns differ from
+    the forward by their taint."""
+    try:
+        key = (eqn.op, tuple(ops.root(a) if isinstance(a, Var) else _literal_key(a)
+                             for a in inputs),
+               tuple(sorted(eqn.params.items())), tuple(v.aval for v in eqn.outputs))
+        hash(key)
+    except TypeError:  # unhashable params: leave it alone
+        return False
+    earlier = ops.seen.get(key)
+    if earlier is None:
+        ops.seen[key] = eqn.outputs
+        return False
+    ops.alias.update(zip(eqn.outputs, earlier, strict=True))
+    return True
+
+
+def _literal_key(a):
+    value = np.asarray(a.value) if a.value is not None else np.asarray(0)
+    return ("literal", value.dtype.str, value.shape, value.tobytes(), a.aval.weak_type)
+
+
+def _taint(ops: Ops, eqn: Eqn, step, anchors, tainted) -> tuple:
+    group, position = step
+    if position is not None and (group, eqn.inputs[position]) not in tainted:
+        x = eqn.inputs[position]
+        out = Var(x.aval)
+        _emit(ops, Eqn("taint", (anchors[group], x), {}, (out,), eqn.tags, eqn.regions,
+                       eqn.source), eqn)
+        tainted[(group, x)] = out
+    return tuple(tainted.get((group, a), a) if isinstance(a, Var) else a for a in eqn.inputs)
+
+
+# Ops whose operands XLA copies into the layout its kernels take.
+COPIES = {"dot_general": opkinds.dot_operand_copies,
+          "conv_general_dilated": opkinds.conv_operand_copies}
+
+
+def _folded(ops: Ops, eqn: Eqn) -> bool:
+    if eqn.op in ("iota", "broadcast_in_dim") or opkinds.kind(eqn) in ("rng", "loop", "opaque"):
+        return False
+    return all(isinstance(ops.root(a), Literal) for a in eqn.inputs)
+
+
+def _emit(ops: Ops, eqn: Eqn, origin: Eqn) -> None:
+    ops.eqns.append(eqn)
+    ops.origin[eqn] = origin
+
+
+def _batched_indices(ops: Ops, eqn: Eqn, inputs) -> tuple:
+    """XLA rewrites a gather or scatter with batching dimensions to one whose indices carry the
+    batch positions too: a materialised index array (the indices and iotas, concatenated)."""
+    indices = inputs[1]
+    out = Var(ShapedArray(opkinds.batched_indices(eqn), np.int32))
+    _emit(ops, Eqn("batched_indices", (indices,), {}, (out,), eqn.tags, eqn.regions,
+                   eqn.source), eqn)
+    return (inputs[0], out) + tuple(inputs[2:])
+
+
+def _operand_copy(ops: Ops, a: Var, dot: Eqn) -> Var:
+    out = Var(a.aval)
+    _emit(ops, Eqn("operand_copy", (a,), {}, (out,), dot.tags, dot.regions, dot.source), dot)
+    return out
+
+
+def kernels(eqns: list[Eqn], root, external: set[Var], workspace) -> list[Kernel]:
+    """Replay XLA:CPU's fusion on `eqns` (schedule order; `root(var)` resolves bitcasts, as
+    `Ops.root`). `external`: values
+    read outside these eqns (results, the step's updates), which are materialised. `workspace(eqn)`
+    gives an op's own temp bytes (a loop's body). Kernels come back in schedule order, each with
+    its `eqns`; their `reads`/`writes` are filled in by `connect`."""
+    index = {e: i for i, e in enumerate(eqns)}
+    outputs = {v: e for e in eqns for v in e.outputs}
+    producer = {a: outputs[root(a)] for e in eqns for a in e.inputs
+                if isinstance(a, Var) and root(a) in outputs}
+    kinds = {e: opkinds.kind(e) for e in eqns}
+    readers: dict[Var, list[Eqn]] = {}
+    for e in eqns:
+        for a in dict.fromkeys(root(a) for a in e.inputs):
+            if isinstance(a, Var):
+                readers.setdefault(a, []).append(e)
+    unfused = {v: set(rs) for v, rs in readers.items()}  # reader edges not yet fused
+    needed: set[Eqn] = set()
+    found: list[Kernel] = []
+    for eqn in reversed(eqns):
+        materialised = eqn in needed or kinds[eqn] not in FUSIBLE or len(eqn.outputs) != 1 \
+            or any(v in external for v in eqn.outputs)
+        if not materialised:
+            continue  # fused into every reader, or read by none (XLA removes it)
+        kernel = Kernel(eqn, role_of(eqn))
+        kernel.order = index[eqn]
+        kernel.workspace = workspace(eqn)
+        if kinds[eqn] in GROWS:
+            _grow(kernel, producer, kinds, readers, unfused, needed, index, external)
+        else:
+            for a in eqn.inputs:
+                p = producer.get(a)
+                if p is not None and kinds[eqn] == "dot" and p.op == "transpose":
+                    kernel.eqns.append(p)  # folded into the dot: it reads the transpose's input
+                    unfused[p.outputs[0]].discard(eqn)
+                    for b in p.inputs:
+                        if b in producer:
+                            needed.add(producer[b])
+                elif p is not None:
+                    needed.add(p)
+        found.append(kernel)
+    found.reverse()
+    return found
+
+
+def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) -> None:
+    """Fuse producers into `kernel`, latest first, while XLA would."""
+    members = {kernel.root}
+    reused = {kernel.root: False}  # members whose elements the kernel reads more than once
+    copied = set()  # members fused as copies: the original still runs for other readers
+    todo = []
+
+    def push(member):
+        for k, a in enumerate(member.inputs):
+            p = producer.get(a)
+            if p is not None:
+                heapq.heappush(todo, (-index[p], id(member), k, p, member))
+
+    def broadcast(a):
+        return a in producer and producer[a].op in ("broadcast_in_dim", "iota")
+
+    push(kernel.root)
+    while todo:
+        _, _, k, p, member = heapq.heappop(todo)
+        out = p.outputs[0] if len(p.outputs) == 1 else None
+        if p in members:
+            unfused[out].discard(member)
+            continue
+        reuse = opkinds.reuses(member, k) or reused[member]
+        outside = out is not None and (out in external or p in needed or any(
+            r not in members or r in copied for r in unfused[out]))  # fusing p copies it
+        library = kinds[kernel.root] == "library"
+        if out is not None and _fusible(p, kinds, readers, outside, reuse, external, broadcast,
+                                        library):
+            members.add(p)
+            reused[p] = reuse
+            if outside:
+                copied.add(p)
+            kernel.eqns.append(p)
+            unfused[out] -= members
+            if kinds[p] == "tree":  # its reduce_window reads a materialised operand
+                needed.update(producer[a] for a in p.inputs if a in producer)
+            else:
+                push(p)
+        else:
+            needed.add(p)
+
+
+def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library) -> bool:
+    """Whether XLA fuses producer `p` into a kernel (`outside`: p has readers outside it, so
+    fusing duplicates it; `reuse`: the kernel reads p's elements more than once; `library`: the
+    kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads)."""
+    kind, out = kinds[p], p.outputs[0]
+    if kind not in FUSIBLE:
+        return False
+    if library:  # formed before loop fusion: p must have no other reader in the program
+        return not outside and kind in ("cheap", "expensive") \
+            and p.op in opkinds.LIBRARY_ELEMENTWISE and len(readers[out]) == 1
+    expensive = kind != "cheap"
+    if outside:
+        if expensive and not opkinds.always_duplicated(p):
+            return False
+        if opkinds.shrinks(p, broadcast) and (out in external or any(
+                kinds[r] not in LOOP for r in readers[out])):
+            return False
+    if expensive and reuse:
+        return False
+    if p.op == "concatenate" and len(p.inputs) > 8:
+        return False
+    return True
+
+
+def shareable(kernel: Kernel) -> bool:
+    """A loop fusion may write its result over an operand it reads elementwise (same size)."""
+    return kernel.root is not None and opkinds.kind(kernel.root) in ("cheap", "expensive")
+
+
+IN_PLACE = frozenset({"dynamic_update_slice", "scatter", "scatter-add", "scatter_add",
+                      "scatter-mul", "scatter_mul", "scatter-min", "scatter-max"})
+
+
+def connect(found: list[Kernel], root, values: dict, kind_of) -> list[Value]:
+    """Give each kernel its buffers: it writes its root's outputs (`kind_of(var)` says what kind
+    of buffer each is) and reads whatever its eqns read from outside it. `values` maps every
+    argument (and, on return, every materialised var) to its buffer. Returns the new buffers."""
+    new = []
+    for k in found:
+        for v, size in zip(k.root.outputs, opkinds.output_bytes(k.root), strict=True):
+            value = Value(v, size, kind_of(v), k)
+            values[v] = value
+            k.writes.append(value)
+            new.append(value)
+    for k in found:
+        inside = {v for e in k.eqns for v in e.outputs}
+        for e in reversed(k.eqns):
+            for a in e.inputs:
+                a = root(a)
+                if isinstance(a, Var) and a not in inside:
+                    k.read(values[a])
+        k.shares = _shares(k, root, values)
+    return new
+
+
+def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
+    eqn = k.root
+    if eqn.op in opkinds.LOOPS:
+        first = {"scan": eqn.params.get("num_consts", 0),
+                 "while": eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)
+                 }.get(eqn.op)
+        if first is None:
+            return []
+        carry = eqn.params.get("num_carry", len(eqn.outputs)) if eqn.op == "scan" \
+            else len(eqn.outputs)
+        inits = eqn.inputs[first:first + carry]
+        return [(out, values[root(a)]) for out, a in zip(k.writes, inits, strict=False)
+                if isinstance(root(a), Var)]
+    if eqn.op in IN_PLACE and isinstance(root(eqn.inputs[0]), Var):
+        return [(k.writes[0], values[root(eqn.inputs[0])])]
+    if shareable(k) and len(k.writes) == 1:
+        out = k.writes[0]
+        return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"]
+    return []

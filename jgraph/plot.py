@@ -1,0 +1,102 @@
+"""`MemoryReport.plot`: live temp bytes along XLA's schedule, drawn with matplotlib.
+
+One curve per report (plans overlaid: no remat, remat, a budget plan), x the step of the step's
+schedule in XLA's order, y the temp bytes live while it runs. The first report's steps are shaded
+by role (forward, backward, recompute, updates and parameter copies), each curve's peak is marked
+and, when given, XLA's compiled temp bytes (`jg.compiled_memory(...).temp_bytes`) are drawn as
+dashed lines. matplotlib is imported only here, when a plot is asked for (the `demo` extra); the
+figure is drawn without pyplot, so no global backend is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jgraph.errors import JGraphError
+
+SHADES = {"forward": "#dbe9f6", "backward": "#fde0c5", "recompute": "#f4c7d6",
+          "update": "#e2f0d9", "copy": "#ececec"}
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+
+
+def plot_memory(path, reports, labels=None, compiled=None, title=None) -> Path:
+    """Draw `reports` (MemoryReports) to `path`; see `MemoryReport.plot`. Returns the path."""
+    from jgraph.memory import MemoryReport
+
+    reports = tuple(reports)
+    for r in reports:
+        if not isinstance(r, MemoryReport):
+            raise JGraphError(f"MemoryReport.plot overlays other MemoryReports (from jg.memory),"
+                              f" got {type(r).__name__}")
+    labels = [f"plan {k}" for k in range(len(reports))] if labels is None else list(labels)
+    if len(labels) != len(reports):
+        raise JGraphError(f"MemoryReport.plot: {len(labels)} labels for {len(reports)} reports")
+    temps = _compiled(compiled, len(reports))
+    path = Path(path)
+    if not path.resolve().parent.is_dir():
+        raise JGraphError(f"MemoryReport.plot: folder {path.resolve().parent} does not exist")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ModuleNotFoundError("MemoryReport.plot needs matplotlib: pip install "
+                                  "'jgraph[demo]'", name="matplotlib") from None
+    scale, unit = _unit(max([r.peak_bytes for r in reports] + [t for t in temps if t] + [1]))
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
+    _shade(ax, reports[0].step_roles)
+    for k, (r, label, temp) in enumerate(zip(reports, labels, temps, strict=True)):
+        color = COLORS[k % len(COLORS)]
+        y = [b / scale for b in r.timeline]
+        ax.step(range(len(y)), y, where="mid", color=color, lw=1.6,
+                label=f"{label}: peak {r.peak_bytes / scale:.3g} {unit}")
+        if y:
+            i = max(range(len(y)), key=y.__getitem__)
+            ax.plot([i], [y[i]], "v", color=color, ms=8)
+            ax.annotate(f"peak (eqn {r.peak_eqn})", (i, y[i]), textcoords="offset points",
+                        xytext=(4, 6), fontsize=8, color=color)
+        if temp:
+            ax.axhline(temp / scale, color=color, ls="--", lw=1,
+                       label=f"{label}: XLA temp {temp / scale:.3g} {unit}")
+    ax.set(xlabel="step of the compiled step, in XLA's order",
+           ylabel=f"live temp ({unit})", title=title or "jgraph memory along the schedule")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _compiled(compiled, n: int) -> list:
+    if compiled is None:
+        return [None] * n
+    values = list(compiled) if isinstance(compiled, (list, tuple)) else [compiled] + [None] * (
+        n - 1)
+    if len(values) != n:
+        raise JGraphError(f"MemoryReport.plot: {len(values)} compiled figures for {n} reports")
+    out = []
+    for v in values:
+        v = getattr(v, "temp_bytes", v)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise JGraphError(f"MemoryReport.plot(compiled=...): XLA's temp bytes (an int or a "
+                              f"jg.compiled_memory result), got {v!r}")
+        out.append(v)
+    return out
+
+
+def _unit(top: int) -> tuple[int, str]:
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if top >= scale:
+            return scale, unit
+    return 1, "B"
+
+
+def _shade(ax, roles) -> None:
+    """Shade runs of steps of one role, each role once in the legend."""
+    seen, start = set(), 0
+    for i in range(1, len(roles) + 1):
+        if i == len(roles) or roles[i] != roles[start]:
+            role = roles[start]
+            ax.axvspan(start - 0.5, i - 0.5, color=SHADES.get(role, "#ffffff"), lw=0,
+                       label=role if role not in seen else None)
+            seen.add(role)
+            start = i

@@ -1,0 +1,121 @@
+"""jg.memory against XLA (the issue's bar: the estimate within +-25 % of the compiled donated
+step's temp bytes), on a handful of cheap models covering each rule of the model (fusion, library
+reductions, convolutions, loops, random bits, remat's protected recompute, the demo's training
+graphs); `python -m benchmarks.bench_memory` covers every corpus and real model. And the pictures:
+`MemoryReport.plot`."""
+
+import builtins
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from models import BY_NAME
+
+import jgraph as jg
+from benchmarks.bench_memory import lm_args, transformer_lm
+from benchmarks.bench_remat import chain, chain_args
+
+CORPUS = ["mlp", "transformer_block", "cnn_pool_window", "scan_layers", "dropout",
+          "checkpointed", "xent_optax"]
+
+
+def joint(fn, args, **kw):
+    gb = jg.backward(jg.trace(fn, *args, **kw))
+    return jg.remat(gb) if gb.regions else gb
+
+
+def ratio(graph, args) -> float:
+    return jg.memory(graph).peak_bytes / jg.compiled_memory(graph, *args).temp_bytes
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's allocator is modelled")
+@pytest.mark.parametrize("name", CORPUS)
+def test_corpus_estimate_within_25_percent_of_xla(name):
+    spec = BY_NAME[name]
+    args = spec.args(seed=0)
+    gb = joint(spec.fn, args, param_argnums=spec.param_argnums, has_aux=spec.has_aux)
+    assert 0.75 <= ratio(gb, args) <= 1.25
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's allocator is modelled")
+def test_remat_estimate_within_25_percent_of_xla():
+    args = chain_args(layers=6, width=64, batch=32)
+    for fn in (chain(), chain(2)):  # no remat, and protected 2-layer segments
+        assert 0.75 <= ratio(joint(fn, args, param_argnums=0), args) <= 1.25
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's allocator is modelled")
+@pytest.mark.parametrize("remat", [False, True])
+def test_transformer_lm_estimate_within_25_percent_of_xla(remat):
+    args = lm_args(layers=2, d=64, t=64, batch=4)
+    assert 0.75 <= ratio(joint(transformer_lm(remat), args, param_argnums=0), args) <= 1.25
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's allocator is modelled")
+def test_a_training_step_with_accumulation_and_adam_within_25_percent_of_xla():
+    from jgraph.training import demo
+
+    ds, n_in = demo.load_digits_dataset()
+    params = demo.init_params(jax.random.PRNGKey(0), n_in)
+    x, y = ds.batch(0, 32)
+    opt = jg.Optimizer(demo.model, optax.adam(1e-3), loss="cross_entropy", period=2)
+    state = opt.init(params, x, y)
+    args = (state.params, x, y, state.grad_acc, np.int32(0), state.opt_state)
+    assert 0.75 <= ratio(opt.graphs["opt"], args) <= 1.25
+
+
+def test_memory_is_cheap_on_a_long_chain():
+    """The planner calls jg.memory on every candidate plan: it is linear-ish in the graph, not
+    a compile (no wall-clock bar: one call on 1700 eqns runs without compiling anything)."""
+    args = chain_args(layers=120, width=16, batch=4)
+    gb = jg.backward(jg.trace(chain(), *args, param_argnums=0))
+    compiles = []
+    jax.monitoring.register_event_listener(lambda name, **kw: compiles.append(name)
+                                           if "compil" in name else None)
+    rep = jg.memory(gb)
+    assert len(gb.eqns) > 1500 and rep.peak_bytes > 0 and not compiles
+
+
+# -- pictures ----------------------------------------------------------------------------------
+def test_plot_overlays_plans_and_marks_xla(tmp_path):
+    args = chain_args(layers=4, width=32, batch=8)
+    plain, segments = (joint(fn, args, param_argnums=0) for fn in (chain(), chain(2)))
+    reports = [jg.memory(g) for g in (plain, segments)]
+    path = tmp_path / "memory.png"
+    assert reports[0].plot(path, reports[1], labels=["no remat", "2-layer segments"],
+                           compiled=[jg.compiled_memory(g, *args) for g in (plain, segments)],
+                           title="chain") == path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "memory.svg"
+    reports[0].plot(svg, compiled=jg.compiled_memory(plain, *args).temp_bytes)
+    text = svg.read_text()
+    assert "no remat" not in text and "XLA temp" in text and "peak (eqn" in text
+
+
+def test_plot_bad_input_is_a_clear_error(tmp_path):
+    rep = jg.memory(jg.trace(lambda x: jnp.sum(x * x), jnp.ones(3)))
+    with pytest.raises(jg.JGraphError, match="other MemoryReports"):
+        rep.plot(tmp_path / "m.png", "not a report")
+    with pytest.raises(jg.JGraphError, match="2 labels for 1 reports"):
+        rep.plot(tmp_path / "m.png", labels=["a", "b"])
+    with pytest.raises(jg.JGraphError, match="compiled"):
+        rep.plot(tmp_path / "m.png", compiled="1 MiB")
+    with pytest.raises(jg.JGraphError, match="does not exist"):
+        rep.plot(tmp_path / "missing" / "m.png")
+
+
+def test_plot_without_matplotlib_names_the_demo_extra(tmp_path, monkeypatch):
+    real = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    rep = jg.memory(jg.trace(lambda x: jnp.sum(x * x), jnp.ones(3)))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'jgraph\[demo\]'"):
+        rep.plot(tmp_path / "m.png")
