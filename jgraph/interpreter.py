@@ -14,6 +14,7 @@ import numpy as np
 from jgraph import ops
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
+from jgraph.custom_lowering import expanded_custom_eqns
 from jgraph.errors import JGraphError, while_processing
 from jgraph.ir import Graph, Literal, Var, short_aval
 
@@ -40,6 +41,10 @@ class Interpreter:
     A control-flow op (`scan`, `cond`, `while`) runs its sub-graphs with `run_sub`: an interpreter
     of the same kind (`sub_interpreter`) on each body, called inside `lax.scan` and friends.
     """
+
+    # The custom-derivative eqns jgraph's backward expanded: they lower by `ops.expanded_lowerings`
+    # (`jgraph.custom_lowering.expanded_custom_eqns` of the whole graph, set by the caller).
+    expanded: frozenset = frozenset()
 
     def run(self, graph: Graph, *args):
         if len(args) != len(graph.inputs):
@@ -74,7 +79,8 @@ class Interpreter:
 
     def eval_eqn(self, eqn, values):
         try:
-            lowering = ops.lowerings[eqn.op]
+            table = ops.expanded_lowerings if eqn in self.expanded else ops.lowerings
+            lowering = table[eqn.op]
         except KeyError:
             raise JGraphError(f"no lowering for op {eqn.op!r} ({eqn.source})") from None
         if eqn.op in HIGHER_ORDER:
@@ -83,7 +89,9 @@ class Interpreter:
 
     def sub_interpreter(self, graph: Graph) -> Interpreter:
         """The interpreter that runs a sub-graph (a loop body, a branch) of the current graph."""
-        return type(self)()
+        sub = type(self)()
+        sub.expanded = self.expanded
+        return sub
 
     def run_sub(self, graph: Graph, *values) -> list:
         return self.sub_interpreter(graph).run(graph, *values)
@@ -180,5 +188,7 @@ def evaluate(graph: Graph, *args):
     one body eqn at a time (`jax.disable_jit` makes `lax.scan` and friends loop eagerly)."""
     validate(graph, "jg.evaluate")
     flat = flatten_args(graph, args)
+    interpreter = Interpreter()
+    interpreter.expanded = expanded_custom_eqns(graph)
     with jax.disable_jit():
-        return unflatten_outputs(graph, Interpreter().run(graph, *flat))
+        return unflatten_outputs(graph, interpreter.run(graph, *flat))

@@ -21,6 +21,8 @@ Primitive = jex_core.Primitive
 primitives: dict[str, Primitive] = {}  # op name -> the JAX primitive it binds
 shape_rules: dict[str, Callable] = {}
 lowerings: dict[str, Callable] = {}
+# The custom-derivative ops jgraph's backward has expanded lower differently (`custom_lowering`).
+expanded_lowerings: dict[str, Callable] = {}
 
 
 def defop(name: str, shape_rule: Callable, lowering: Callable) -> None:

@@ -14,6 +14,7 @@ import jax
 from jgraph import ops, vjp
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
+from jgraph.custom_lowering import expanded_custom_eqns
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, is_float
@@ -27,8 +28,13 @@ def _with_rule(eqn: Eqn):
     def op(*xs):
         return list(lowering(*xs, **params))
 
+    expanded = ops.expanded_lowerings.get(eqn.op)
+
     def fwd(*xs):
-        outs = op(*xs)
+        # The next order differentiates what the forward ran: the op again (so its rule), or,
+        # for a custom-derivative op, what JAX runs in its place (fwd's code, the jvp rule's
+        # primal outputs), as `jax.grad` of `jax.grad` does.
+        outs = op(*xs) if expanded is None else list(expanded(*xs, **params))
         return outs, (xs, outs)
 
     def bwd(res, cts):
@@ -55,23 +61,27 @@ def _needs_rule(eqn: Eqn) -> bool:
 
 
 class _CustomVJPLowering(Interpreter):
-    """Evaluates each differentiable eqn through its custom_vjp wrapper."""
+    """Evaluates each differentiable eqn through its custom_vjp wrapper. A custom-derivative eqn
+    jgraph's backward expanded (`expanded_custom_eqns`) is already code, as in
+    `jax.value_and_grad`: JAX differentiates its lowering."""
 
-    def __init__(self, graph: Graph):
-        self.wrapped = {id(e): _with_rule(e) for e in graph.eqns if _needs_rule(e)}
+    def __init__(self, graph: Graph, expanded=frozenset()):
+        self.expanded = expanded
+        self.wrapped = {id(e): _with_rule(e) for e in graph.eqns
+                        if _needs_rule(e) and e not in expanded}
 
     def eval_eqn(self, eqn, values):
         op = self.wrapped.get(id(eqn))
         return super().eval_eqn(eqn, values) if op is None else op(*values)
 
     def sub_interpreter(self, graph: Graph) -> Interpreter:
-        return _CustomVJPLowering(graph)
+        return _CustomVJPLowering(graph, self.expanded)
 
 
 def to_jax(graph: Graph):
     """A plain JAX function running `graph` whose gradients use jgraph's VJP rules."""
     validate(graph, "jg.to_jax")
-    lowering = _CustomVJPLowering(graph)
+    lowering = _CustomVJPLowering(graph, expanded_custom_eqns(graph))
 
     def fn(*args):
         return unflatten_outputs(graph, lowering.run(graph, *flatten_args(graph, args)))

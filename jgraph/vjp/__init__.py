@@ -117,7 +117,10 @@ def apply_rule(b, eqn, out_cts, needed=None):
 
 def _run_rule(*arrays, rule, n_in, n_out, params, needed):
     ins, outs, cts = arrays[:n_in], arrays[n_in:n_in + n_out], arrays[n_in + n_out:]
-    result = list(rule(cts, ins, outs, **dict(params)))
+    # A rule that can skip work for unneeded cotangents says so (`wants_needed`): the custom_jvp
+    # rule, whose tangents are then symbolic zeros (a closed-over value's must be).
+    extra = {"needed": needed} if getattr(rule, "wants_needed", False) else {}
+    result = list(rule(cts, ins, outs, **dict(params), **extra))
     # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said, and
     # so are those the caller does not need (the call's template drops the eqns computing them).
     return [None if ct is None or not use or not jnp.issubdtype(x.dtype, jnp.inexact) else ct

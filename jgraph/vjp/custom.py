@@ -2,7 +2,9 @@
 
 `custom_jvp_call`: the user's JVP rule, linearized in the tangents and transposed by `jax.vjp` of
 the tangent map, as JAX differentiates a custom_jvp function in reverse mode. `custom_vjp_call`:
-the user's bwd on (residuals, output cotangents). Neither gives closed-over values a cotangent.
+the user's bwd on (residuals, output cotangents), each cotangent cast to its input's dtype (a bwd
+may return f32 for a bf16 input). `custom_vjp_call_lazy`: `jax.vjp` of its lowering, which runs
+the user's fwd and bwd. None of them gives closed-over values a cotangent.
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jgraph import _jax_internals as internals
+from jgraph.custom_lowering import lower_custom_vjp_call_lazy, user_cotangents
 from jgraph.ir import is_float
 from jgraph.vjp import defvjp, undifferentiable_inputs
 
 
-def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_zeros):
+def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_zeros,
+                         needed=None):
     primals = ins[n_consts:n_consts + n_primals]
-    zero_in = [not is_float(jax.typeof(x)) for x in primals]  # integer inputs: no tangent
+    used = (True,) * n_primals if needed is None else needed[n_consts:n_consts + n_primals]
+    # Integer inputs have zero tangents; so do those whose cotangent nobody needs, for a rule
+    # that takes symbolic zeros (jgraph's own lowering's, which refuses closed-over tangents).
+    zero_in = [not is_float(jax.typeof(x)) or (symbolic_zeros and not use)
+               for x, use in zip(primals, used, strict=True)]
     jaxpr, consts, zero_out = jvp.fn.call_wrapped(*zero_in)
     tangent_map = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))
     n_out = len(zero_out)
@@ -32,18 +39,29 @@ def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_z
     return [None] * n_consts + [None if z else next(cts_in) for z in zero_in]
 
 
+_custom_jvp_call_vjp.wants_needed = True
 defvjp("custom_jvp_call", _custom_jvp_call_vjp)
 undifferentiable_inputs["custom_jvp_call"] = lambda n_in, p: range(p["n_consts"])
 
 
 def _custom_vjp_call_vjp(cts, ins, outs, *, n_primals, n_res, bwd, symbolic_zeros, n_consts=0):
     res = ins[n_primals:n_primals + n_res]
-    cts_in = internals.call_user_bwd(bwd.fn, *res, *cts)
-    cts_in = [None if isinstance(ct, internals.SymbolicZero) or ct is None else ct
-              for ct in cts_in]
+    cts_in = user_cotangents(bwd, res, cts, [jax.typeof(x) for x in ins[:n_primals]])
     return cts_in + [None] * (len(ins) - n_primals)
 
 
 defvjp("custom_vjp_call", _custom_vjp_call_vjp)
 undifferentiable_inputs["custom_vjp_call"] = lambda n_in, p: range(n_in - p.get("n_consts", 0),
                                                                    n_in)
+
+
+def _custom_vjp_call_lazy_vjp(cts, ins, outs, **params):
+    n_consts, n_primals = params["n_consts"], params["n_primals"]
+    _, pullback = jax.vjp(lambda *primals: lower_custom_vjp_call_lazy(
+        *ins[:n_consts], *primals, *ins[n_consts + n_primals:], **params),
+        *ins[n_consts:n_consts + n_primals])
+    return [None] * n_consts + list(pullback(list(cts)))
+
+
+defvjp("custom_vjp_call_lazy", _custom_vjp_call_lazy_vjp)
+undifferentiable_inputs["custom_vjp_call_lazy"] = lambda n_in, p: range(p["n_consts"])
