@@ -85,27 +85,42 @@ ops.expanded_lowerings["custom_vjp_call"] = lower_expanded_custom_vjp_call
 @handler("custom_vjp_call")
 def _custom_vjp_call(b: Builder, eqn, inputs):
     body, fwd, bwd, residuals, n_consts, symbolic_zeros = internals.custom_vjp_params(eqn.params)
-    primals = inputs[n_consts:]
     name = str(eqn.params.get("name") or _name(body, "custom_vjp"))
-    user_fwd = UserFwd.trace(fwd, residuals, n_consts, primals, name)
+    user_fwd = UserFwd.trace(fwd, residuals, n_consts, inputs[n_consts:], name)
+    return emit_custom_vjp(b, inputs, n_consts, (body.jaxpr, body.consts), user_fwd,
+                           UserRule(bwd, "bwd", name), symbolic_zeros)
+
+
+def emit_custom_vjp(b: Builder, inputs, n_consts, body, user_fwd, bwd, symbolic_zeros) -> list:
+    """The eqns of a custom_vjp call on `inputs` (closed-over consts, then primals): fwd's eqns and
+    a `custom_vjp_call` op; called by another's fwd, the body and a `custom_vjp_call_lazy` op."""
+    primals = inputs[n_consts:]
     if b.in_custom_fwd:  # called by a fwd: its own fwd is traced only if differentiated
-        outs = b.inline(body.jaxpr, body.consts, inputs)
+        outs = b.inline(*body, inputs)
         return b.bind("custom_vjp_call_lazy", *inputs, *outs, n_consts=n_consts,
-                      n_primals=len(primals), fwd=user_fwd, bwd=UserRule(bwd, "bwd", name),
+                      n_primals=len(primals), fwd=user_fwd, bwd=bwd,
                       symbolic_zeros=symbolic_zeros)
-    fwd_jaxpr, input_fwds, n_res_out = user_fwd.jaxpr, user_fwd.input_fwds, user_fwd.n_res_out
     consts = inputs[:n_consts] if user_fwd.consts is None else user_fwd.consts
-    b.in_custom_fwd = True  # a custom_vjp called by fwd (fwd calling f, typically) is inlined
+    b.in_custom_fwd = True
     try:
-        outs = b.inline(fwd_jaxpr, consts, primals)
+        outs = b.inline(user_fwd.jaxpr, consts, primals)
     finally:
         b.in_custom_fwd = False
-    res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
+    res_out, primal_outs = iter(outs[:user_fwd.n_res_out]), outs[user_fwd.n_res_out:]
     # input_fwds index the call's inputs (closed-over consts first, then primals).
-    res = [next(res_out) if f is None else inputs[f] for f in input_fwds]
+    res = [next(res_out) if f is None else inputs[f] for f in user_fwd.input_fwds]
     return b.bind("custom_vjp_call", *primals, *res, *primal_outs, *inputs[:n_consts],
-                  n_primals=len(primals), n_res=len(res), n_consts=n_consts,
-                  bwd=UserRule(bwd, "bwd", name), symbolic_zeros=symbolic_zeros)
+                  n_primals=len(primals), n_res=len(res), n_consts=n_consts, bwd=bwd,
+                  symbolic_zeros=symbolic_zeros)
+
+
+@handler("remat_opt")
+def _remat_opt(b: Builder, eqn, inputs):
+    """`jax.custom_vjp(..., optimize_remat=True)` wraps fwd in `remat_opt`: fwd's eqns, inlined.
+    (Under a remat, JAX then recomputes the primal function instead of fwd when only fwd's
+    primal outputs are needed; jgraph recomputes only the inlined eqns a backward reads.)"""
+    fwd = internals.remat_opt_fwd(eqn.params)
+    return b.inline(fwd.jaxpr, fwd.consts, inputs)
 
 
 # -- custom_vjp_call_lazy: inputs (consts, primals, body outputs) -> body outputs -----------------

@@ -155,7 +155,7 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import control_flow, custom_derivatives  # noqa: E402,F401  (tracer handlers)
+from jgraph import control_flow, custom_derivatives, hi_primitives  # noqa: E402,F401  (handlers)
 from jgraph.vjp import (  # noqa: E402
     contractions,
     custom,
