@@ -55,6 +55,20 @@ def has_op(name: str) -> bool:
     return name in shape_rules and name in lowerings
 
 
+# Ops with side effects (`jgraph.effects`): no pass removes, merges, copies or reorders them.
+EFFECTFUL = frozenset({"debug_print"})
+
+
+def has_effects(eqn) -> bool:
+    """Whether `eqn` has side effects: an effectful op, or a loop or cond whose body has one."""
+    if eqn.op in EFFECTFUL:
+        return True
+    for value in eqn.params.values():
+        for graph in value if isinstance(value, tuple) else (value,):
+            if hasattr(graph, "eqns") and any(has_effects(e) for e in graph.eqns):
+                return True
+    return False
+
 # Public primitives that are not ops: JAX's internal linearization (`custom_lin`) and mutable-ref
 # state (`get`, `swap`: effects, which the tracer refuses).
 NOT_OPS = frozenset({"custom_lin", "get", "swap"})

@@ -40,7 +40,7 @@ NON_DIFFERENTIABLE = frozenset(
      "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform", "nextafter",
      "reduce_and", "reduce_or", "reduce_xor", "bitcast_convert_type", "zeros_like",
      "create_token", "after_all", "platform_index", "empty", "empty2",
-     "lu_pivots_to_permutation"}
+     "lu_pivots_to_permutation", "debug_print"}
 )
 # Ops that are registered (they trace, evaluate and compile) but have no VJP rule, and why. On the
 # gradient path each is a TransformError naming the op, the reason and the user's line.
@@ -155,7 +155,12 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import control_flow, custom_derivatives, hi_primitives  # noqa: E402,F401  (handlers)
+from jgraph import (  # noqa: E402,F401  (tracer handlers)
+    control_flow,
+    custom_derivatives,
+    effects,
+    hi_primitives,
+)
 from jgraph.vjp import (  # noqa: E402
     contractions,
     custom,
