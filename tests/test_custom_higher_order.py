@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from custom_programs import BY_NAME, PROGRAMS
+from custom_programs import BY_NAME, PROGRAMS, _sin_rule_2cos
 
 import jgraph as jg
 from jgraph import ops
@@ -211,6 +211,7 @@ def _mlp(params, x):
     scaled_tanh.defvjp(lambda x: (jnp.tanh(x), jnp.tanh(x)), lambda y, g: ((1 - y * y) * g,))
     h = jax.nn.relu(x @ params[0])
     h = scaled_tanh(jax.nn.softplus(h @ params[1]))
+    h = _sin_rule_2cos()(h)  # a rule unlike its body's derivative
     return jnp.mean(jax.nn.logsumexp(h @ params[2], axis=-1))
 
 
@@ -292,3 +293,24 @@ def test_which_custom_eqns_a_joint_graph_has_expanded():
     for args in [(w, x), (-w, x)]:
         _close(jax.grad(lambda w: jg.compile(joint)(w, x)[1].sum())(args[0]),
                jax.grad(lambda w: jax.grad(loss)(w, x).sum())(args[0]))
+
+
+def test_hessian_vector_products_of_a_model_equal_jax():
+    """A model of library custom_jvps (relu, softplus, logsumexp), a user custom_jvp and a user
+    custom_vjp: the Hessian-vector product of its compiled step, forward over reverse (jax.jvp)
+    and reverse over reverse (jgraph's backward of the traced step), equals JAX's."""
+    rng = np.random.default_rng(1)
+    params = [jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32) for _ in range(3)]
+    v = [jnp.asarray(rng.normal(size=(8, 8)), jnp.float32) for _ in range(3)]
+    x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    step = jg.compile(jg.backward(jg.trace(_mlp, params, x, param_argnums=0)))
+    want = jax.jvp(lambda p: jax.grad(_mlp)(p, x), (params,), (v,))[1]
+    for got, w in zip(jax.jvp(lambda p: step(p, x)[1], (params,), (v,))[1], want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-6)
+
+    def gv(p):  # <grad, v>: its gradient is the Hessian-vector product
+        return sum(jnp.vdot(g, d) for g, d in zip(step(p, x)[1], v, strict=True))
+
+    hvp = jg.compile(jg.backward(jg.trace(gv, params, param_argnums=0)))(params)[1]
+    for got, w in zip(hvp, want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-6)
