@@ -142,17 +142,26 @@ def lower_custom_vjp_call(*values, n_primals, n_res, bwd, symbolic_zeros, n_cons
     primal_avals = tuple(jax.typeof(x) for x in values[:n_primals])
     fn = jax.custom_vjp(_passing(lo, hi))
 
-    def fwd(*args):  # each a CustomVJPPrimal: (value, perturbed)
-        _refuse_closed_over([a.perturbed for a in args[hi:]], f"custom_vjp function {bwd.name!r}")
-        values = [a.value for a in args]
+    def fwd(*args):
+        values = _unwrap(args[hi:], f"custom_vjp function {bwd.name!r}", args)
         return values[lo:hi], values[n_primals:lo]
 
     def bwd_rule(res, cts):
         cts = [_tangent(ct, x) for ct, x in zip(cts, values[lo:hi], strict=True)]
         return (*user_cotangents(bwd, res, cts, primal_avals), *[None] * (len(values) - n_primals))
 
-    fn.defvjp(fwd, bwd_rule, symbolic_zeros=True)
+    fn.defvjp(fwd, bwd_rule, symbolic_zeros=n_consts > 0)
     return fn(*values)
+
+
+def _unwrap(consts, name, args) -> list:
+    """The values of fwd's arguments. With closed-over values, fwd takes symbolic zeros (its
+    arguments are `CustomVJPPrimal`s) to refuse a perturbed one; without, plain values (JAX's
+    custom_vjp3 has no forward-mode error for symbolic zeros, only a `NotImplementedError`)."""
+    if not consts:
+        return list(args)
+    _refuse_closed_over([a.perturbed for a in consts], name)
+    return [a.value for a in args]
 
 
 def lower_expanded_custom_vjp_call(*values, n_primals, n_res, n_consts=0, **_):
@@ -168,18 +177,15 @@ def lower_custom_vjp_call_lazy(*values, n_consts, n_primals, fwd, bwd, symbolic_
     fn = jax.custom_vjp(_passing(lo, len(values)))
 
     def fwd_rule(*args):
-        _refuse_closed_over([a.perturbed for a in args[:n_consts]],
-                            f"custom_vjp function {bwd.name!r}")
-        values = [a.value for a in args]
-        primal_out, res = fwd.run(values[:n_consts], values[n_consts:lo])
-        return primal_out, res
+        values = _unwrap(args[:n_consts], f"custom_vjp function {bwd.name!r}", args)
+        return fwd.run(values[:n_consts], values[n_consts:lo])
 
     def bwd_rule(res, cts):
         cts = [_tangent(ct, x) for ct, x in zip(cts, values[lo:], strict=True)]
         return (*[None] * n_consts, *user_cotangents(bwd, res, cts, primal_avals),
                 *[None] * (len(values) - lo))
 
-    fn.defvjp(fwd_rule, bwd_rule, symbolic_zeros=True)
+    fn.defvjp(fwd_rule, bwd_rule, symbolic_zeros=n_consts > 0)
     return fn(*values)
 
 
