@@ -270,8 +270,37 @@ def _nested(x, ordered=False, checkpointed=False):
     return jnp.sum(lax.scan(outer, x, jnp.arange(2))[0] ** 2)
 
 
+def _custom_rules(x, ordered=True, checkpointed=False):
+    """Prints in a custom_jvp's body, a custom_vjp's fwd and bwd: the bwd prints in the backward,
+    the others once (jgraph's backward re-runs the jvp rule's primal: not its prints)."""
+    @jax.custom_jvp
+    def f(x):
+        _print("f body {x}", ordered, x=x)
+        return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), 2 * jnp.cos(p[0]) * t[0]))
+
+    @jax.custom_vjp
+    def g(x):
+        return jnp.cos(x)
+
+    def g_fwd(x):
+        _print("g fwd {x}", ordered, x=x)
+        return g(x), jnp.sin(x)
+
+    def g_bwd(s, ct):
+        _print("g bwd {ct}", ordered, ct=ct)
+        return (-s * ct,)
+
+    g.defvjp(g_fwd, g_bwd)
+    body = lambda c, _: (g(f(c)), None)  # noqa: E731
+    body = jax.checkpoint(body) if checkpointed else body
+    return lax.scan(body, x, None, length=2)[0] * 2
+
+
 _PRINTING = {"scan": _scan, "scan_unordered": functools.partial(_scan, ordered=False),
-             "fori": _fori, "cond": _cond, "while": _while, "nested": _nested}
+             "fori": _fori, "cond": _cond, "while": _while, "nested": _nested,
+             "custom_rules": _custom_rules}
 
 
 def _printed(capfd, run):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jgraph.errors import TransformError
 from jgraph.ir import is_float
+from jgraph.ops import EFFECTFUL
 
 vjp_rules: dict[str, Callable] = {}
 # op -> fn(n_inputs, params) -> input positions the rule never differentiates (error if needed).
@@ -110,8 +111,11 @@ def apply_rule(b, eqn, out_cts, needed=None):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
             cts[k] = b.call(jnp.zeros_like, eqn.outputs[k])[0]
     needed = (True,) * n_in if needed is None else tuple(needed)
+    start = len(b.eqns)
     outs = b.call(_run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
                   params=_freeze(eqn.params), needed=needed)
+    if getattr(rule, "replays_forward", False):  # its prints ran in the forward already
+        b.eqns[start:] = [e for e in b.eqns[start:] if e.op not in EFFECTFUL]
     return outs + [None] * (n_in - len(outs))
 
 

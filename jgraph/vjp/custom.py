@@ -40,6 +40,10 @@ def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_z
 
 
 _custom_jvp_call_vjp.wants_needed = True
+# The rule recomputes the forward's values (its primal: a custom body it calls), whose prints ran
+# in the forward. (A print in the rule itself is dropped too: JAX runs it once, in the forward,
+# where jgraph does not run the rule.)
+_custom_jvp_call_vjp.replays_forward = True
 defvjp("custom_jvp_call", _custom_jvp_call_vjp)
 undifferentiable_inputs["custom_jvp_call"] = lambda n_in, p: range(p["n_consts"])
 
@@ -63,5 +67,6 @@ def _custom_vjp_call_lazy_vjp(cts, ins, outs, **params):
     return [None] * n_consts + list(pullback(list(cts)))
 
 
+_custom_vjp_call_lazy_vjp.replays_forward = True  # it runs fwd again
 defvjp("custom_vjp_call_lazy", _custom_vjp_call_lazy_vjp)
 undifferentiable_inputs["custom_vjp_call_lazy"] = lambda n_in, p: range(p["n_consts"])
