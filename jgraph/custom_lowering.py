@@ -11,10 +11,10 @@ derivative is the user's rule on the primal inputs, with none through the inline
 The reference is JAX at every order: a compiled forward graph is `fn`, a compiled joint graph is
 `jax.value_and_grad(fn)`. In the latter, JAX has already expanded each custom function on the
 params' path (its jvp rule or its fwd runs as ordinary code), and so has jgraph's backward: such
-an eqn ("expanded", `expanded_custom_eqns`) lowers as that code's values, differentiated as code:
-- custom_jvp_call: the rule's primal outputs (a rule returning `f(x)` keeps `f`'s rule for the
-  next order; one returning `jnp.sin(x)` does not, as in JAX);
-- custom_vjp_call: fwd's outputs, i.e. the identity on the inlined fwd.
+an eqn ("expanded", `expanded_custom_eqns`) is differentiated as that code:
+- custom_jvp_call: as the rule's primal outputs (a rule returning `f(x)` keeps `f`'s rule for the
+  next order; one returning `jnp.sin(x)` does not, as in JAX), its values still the body's;
+- custom_vjp_call: as fwd's outputs, i.e. it lowers as the identity on the inlined fwd.
 Every other custom eqn (a forward graph's, one off the params' path, one in the backward or the
 optimizer update) keeps its rule: custom_jvp_call the user's JVP, custom_vjp_call the user's bwd
 (fwd's values are the inlined ones), and `custom_vjp_call_lazy` (a custom_vjp called by another's
@@ -108,7 +108,8 @@ def lower_custom_jvp_call(*values, n_consts, n_primals, jvp, symbolic_zeros):
 
 
 def lower_expanded_custom_jvp_call(*values, n_consts, n_primals, jvp, symbolic_zeros):
-    """An expanded custom_jvp_call: the rule's primal outputs, differentiated as JAX code."""
+    """An expanded custom_jvp_call: the body's outputs, differentiated as the rule's primal
+    outputs are (JAX code, with the rules of the custom functions it calls)."""
     lo = n_consts + n_primals
     fn = jax.custom_jvp(_passing(lo, len(values)))
 
@@ -213,6 +214,7 @@ def _walk(graph: Graph, perturbed_in, late_in, found: set):
     flags of its outputs."""
     from jgraph.vjp import CUTS_GRADIENT, NON_DIFFERENTIABLE
 
+    constant = NON_DIFFERENTIABLE | CUTS_GRADIENT  # outputs no param perturbs
     perturbed = {v for v, f in zip(graph.inputs, perturbed_in, strict=True) if f}
     late = {v for v, f in zip(graph.inputs, late_in, strict=True) if f}
     for eqn in graph.eqns:
@@ -226,7 +228,7 @@ def _walk(graph: Graph, perturbed_in, late_in, found: set):
             if eqn.op in ("custom_jvp_call", "custom_vjp_call") and not backward and any(
                     p_in[k] for k in _primal_positions(eqn)):
                 found.add(eqn)
-            moves = any(p_in) and eqn.op not in NON_DIFFERENTIABLE | CUTS_GRADIENT
+            moves = any(p_in) and eqn.op not in constant
             p_out, l_out = [moves] * len(eqn.outputs), [backward] * len(eqn.outputs)
         perturbed.update(v for v, f in zip(eqn.outputs, p_out, strict=True) if f)
         late.update(v for v, f in zip(eqn.outputs, l_out, strict=True) if f)
