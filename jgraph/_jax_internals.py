@@ -146,10 +146,10 @@ def check() -> None:
         "jax._src.lax.windowed_reductions._select_and_gather_add":
             (windowed_reductions, "_select_and_gather_add"),
         "jax._src.xla_bridge.canonicalize_platform": (xla_bridge, "canonicalize_platform"),
-        "jax._src.hijax.VJPHiPrimitive": (hijax, "VJPHiPrimitive"),
         "jax._src.custom_derivatives.custom_jvp_call_p": (custom_derivatives, "custom_jvp_call_p"),
         "jax._src.custom_derivatives.custom_vjp_call_p": (custom_derivatives, "custom_vjp_call_p"),
         "jax._src.lax.control_flow.loops.scan_p": (loops, "scan_p"),
+        "jax._src.hijax.VJPHiPrimitive": (hijax, "VJPHiPrimitive"),
     }
     missing = [name for name, (module, attr) in needed.items() if not hasattr(module, attr)]
     missing += _missing_params()
