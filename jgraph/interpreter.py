@@ -42,13 +42,24 @@ class Interpreter:
     of the same kind (`sub_interpreter`) on each body, called inside `lax.scan` and friends.
     """
 
-    # The custom-derivative eqns jgraph's backward expanded: they lower by `ops.expanded_lowerings`
-    # (`jgraph.custom_lowering.expanded_custom_eqns` of the whole graph, set by the caller).
-    expanded: frozenset = frozenset()
+    # The custom-derivative eqns jgraph's backward expanded lower by `ops.expanded_lowerings`
+    # (`jgraph.custom_lowering`): those of the graph `run` is given, found when a custom op is
+    # met, or its parent's when it runs a sub-graph.
+    parent_expanded: frozenset | None = None
+    _expanded: frozenset | None = None
+    _expanded_in: Graph | None = None
+
+    @property
+    def expanded(self) -> frozenset:
+        if self._expanded is None:
+            self._expanded = (frozenset() if self._expanded_in is None
+                              else expanded_custom_eqns(self._expanded_in))
+        return self._expanded
 
     def run(self, graph: Graph, *args):
         if len(args) != len(graph.inputs):
             raise JGraphError(f"graph takes {len(graph.inputs)} flat inputs, got {len(args)}")
+        self._expanded, self._expanded_in = self.parent_expanded, graph
         self.env: dict[Var, object] = {}
         last = last_uses(graph)
         for v, x in zip(graph.inputs, args, strict=True):
@@ -79,7 +90,8 @@ class Interpreter:
 
     def eval_eqn(self, eqn, values):
         try:
-            table = ops.expanded_lowerings if eqn in self.expanded else ops.lowerings
+            expanded = eqn.op in ops.expanded_lowerings and eqn in self.expanded
+            table = ops.expanded_lowerings if expanded else ops.lowerings
             lowering = table[eqn.op]
         except KeyError:
             raise JGraphError(f"no lowering for op {eqn.op!r} ({eqn.source})") from None
@@ -90,7 +102,7 @@ class Interpreter:
     def sub_interpreter(self, graph: Graph) -> Interpreter:
         """The interpreter that runs a sub-graph (a loop body, a branch) of the current graph."""
         sub = type(self)()
-        sub.expanded = self.expanded
+        sub.parent_expanded = self.expanded
         return sub
 
     def run_sub(self, graph: Graph, *values) -> list:
@@ -188,7 +200,5 @@ def evaluate(graph: Graph, *args):
     one body eqn at a time (`jax.disable_jit` makes `lax.scan` and friends loop eagerly)."""
     validate(graph, "jg.evaluate")
     flat = flatten_args(graph, args)
-    interpreter = Interpreter()
-    interpreter.expanded = expanded_custom_eqns(graph)
     with jax.disable_jit():
-        return unflatten_outputs(graph, interpreter.run(graph, *flat))
+        return unflatten_outputs(graph, Interpreter().run(graph, *flat))

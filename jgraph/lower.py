@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jgraph.check import validate
-from jgraph.custom_lowering import expanded_custom_eqns
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Graph, Var, is_float
 
@@ -122,7 +121,6 @@ class Lowering(Interpreter):
 def as_function(graph: Graph):
     """A plain (un-jitted) JAX function running `graph`, with its pytree signature."""
     lowering = Lowering()
-    lowering.expanded = expanded_custom_eqns(graph)
 
     def fn(*args):
         return unflatten_outputs(graph, lowering.run(graph, *flatten_args(graph, args)))

@@ -65,8 +65,10 @@ class _CustomVJPLowering(Interpreter):
     jgraph's backward expanded (`expanded_custom_eqns`) is already code, as in
     `jax.value_and_grad`: JAX differentiates its lowering."""
 
-    def __init__(self, graph: Graph, expanded=frozenset()):
-        self.expanded = expanded
+    def __init__(self, graph: Graph, parent_expanded=None):
+        self.parent_expanded = parent_expanded
+        expanded = (expanded_custom_eqns(graph) if parent_expanded is None
+                    else parent_expanded)
         self.wrapped = {id(e): _with_rule(e) for e in graph.eqns
                         if _needs_rule(e) and e not in expanded}
 
@@ -81,7 +83,7 @@ class _CustomVJPLowering(Interpreter):
 def to_jax(graph: Graph):
     """A plain JAX function running `graph` whose gradients use jgraph's VJP rules."""
     validate(graph, "jg.to_jax")
-    lowering = _CustomVJPLowering(graph, expanded_custom_eqns(graph))
+    lowering = _CustomVJPLowering(graph)
 
     def fn(*args):
         return unflatten_outputs(graph, lowering.run(graph, *flatten_args(graph, args)))
