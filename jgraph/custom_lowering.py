@@ -170,6 +170,10 @@ def lower_expanded_custom_vjp_call(*values, n_primals, n_res, n_consts=0, **_):
     return list(values[n_primals + n_res:len(values) - n_consts])
 
 
+# Ops whose lowering carries the user's rule, which JAX differentiates (jgraph has no rule).
+RULE_IN_LOWERING = frozenset({"custom_vjp_call_lazy"})
+
+
 def lower_custom_vjp_call_lazy(*values, n_consts, n_primals, fwd, bwd, symbolic_zeros):
     """`custom_vjp_call_lazy` (consts, primals, body outputs) -> body outputs; differentiated,
     it runs the user's fwd (primal outputs and residuals) and bwd, as JAX does."""

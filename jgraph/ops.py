@@ -16,6 +16,7 @@ from typing import Callable
 from jax.extend import core as jex_core
 
 from jgraph.errors import JGraphError
+from jgraph.ir import Graph
 
 Primitive = jex_core.Primitive
 primitives: dict[str, Primitive] = {}  # op name -> the JAX primitive it binds
@@ -65,7 +66,7 @@ def has_effects(eqn) -> bool:
         return True
     for value in eqn.params.values():
         for graph in value if isinstance(value, tuple) else (value,):
-            if hasattr(graph, "eqns") and any(has_effects(e) for e in graph.eqns):
+            if isinstance(graph, Graph) and any(has_effects(e) for e in graph.eqns):
                 return True
     return False
 

@@ -14,7 +14,7 @@ import jax
 from jgraph import ops, vjp
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
-from jgraph.custom_lowering import expanded_custom_eqns
+from jgraph.custom_lowering import RULE_IN_LOWERING, expanded_custom_eqns
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, is_float
@@ -55,9 +55,10 @@ def _with_rule(eqn: Eqn):
 def _needs_rule(eqn: Eqn) -> bool:
     """Ops run through their rule; a control-flow op is lowered as itself (lax.scan, ...) with
     its body run by this same interpreter, so JAX differentiates the loop through its body's
-    custom_vjp ops."""
+    custom_vjp ops; an op whose lowering carries the user's rule is lowered as itself."""
     return (eqn.op not in vjp.NON_DIFFERENTIABLE and eqn.op not in vjp.CUTS_GRADIENT
-            and eqn.op not in HIGHER_ORDER and any(is_float(v.aval) for v in eqn.outputs))
+            and eqn.op not in HIGHER_ORDER and eqn.op not in RULE_IN_LOWERING
+            and any(is_float(v.aval) for v in eqn.outputs))
 
 
 class _CustomVJPLowering(Interpreter):

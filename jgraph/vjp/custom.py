@@ -3,8 +3,8 @@
 `custom_jvp_call`: the user's JVP rule, linearized in the tangents and transposed by `jax.vjp` of
 the tangent map, as JAX differentiates a custom_jvp function in reverse mode. `custom_vjp_call`:
 the user's bwd on (residuals, output cotangents), each cotangent cast to its input's dtype (a bwd
-may return f32 for a bf16 input). `custom_vjp_call_lazy`: `jax.vjp` of its lowering, which runs
-the user's fwd and bwd. None of them gives closed-over values a cotangent.
+may return f32 for a bf16 input). Neither gives closed-over values a cotangent.
+`custom_vjp_call_lazy` has no rule: jgraph's backward never meets it (see below).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jgraph.custom_lowering import lower_custom_vjp_call_lazy, user_cotangents
+from jgraph.custom_lowering import user_cotangents
 from jgraph.ir import is_float
-from jgraph.vjp import defvjp, undifferentiable_inputs
+from jgraph.vjp import NO_VJP_RULE, defvjp, undifferentiable_inputs
 
 
 def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_zeros,
@@ -59,14 +59,8 @@ undifferentiable_inputs["custom_vjp_call"] = lambda n_in, p: range(n_in - p.get(
                                                                    n_in)
 
 
-def _custom_vjp_call_lazy_vjp(cts, ins, outs, **params):
-    n_consts, n_primals = params["n_consts"], params["n_primals"]
-    _, pullback = jax.vjp(lambda *primals: lower_custom_vjp_call_lazy(
-        *ins[:n_consts], *primals, *ins[n_consts + n_primals:], **params),
-        *ins[n_consts:n_consts + n_primals])
-    return [None] * n_consts + list(pullback(list(cts)))
-
-
-_custom_vjp_call_lazy_vjp.replays_forward = True  # it runs fwd again
-defvjp("custom_vjp_call_lazy", _custom_vjp_call_lazy_vjp)
-undifferentiable_inputs["custom_vjp_call_lazy"] = lambda n_in, p: range(p["n_consts"])
+# A custom_vjp called by another's fwd: fwd's values get no gradient in jgraph's backward, so it
+# never meets this op; JAX differentiates its lowering, which carries the user's fwd and bwd.
+NO_VJP_RULE["custom_vjp_call_lazy"] = (
+    "a custom_vjp called by another custom_vjp's fwd, whose values get no gradient; JAX "
+    "differentiates its lowering (the user's fwd and bwd)")
