@@ -10,7 +10,7 @@ of deep inside a trace. `pyproject.toml` pins JAX to the minor release these wer
 from __future__ import annotations
 
 import jax
-from jax._src import ad_util, xla_bridge
+from jax._src import ad_util, hijax, xla_bridge
 from jax._src.core import NamedAxisEffect
 from jax._src.lax import windowed_reductions
 
@@ -81,6 +81,69 @@ def custom_vjp_params(params):
             residuals, params["num_consts"], params["symbolic_zeros"])
 
 
+def remat_opt_fwd(params):
+    """The fwd of a `remat_opt` eqn (`jax.custom_vjp(..., optimize_remat=True)`): a ClosedJaxpr
+    of (consts, primals) -> (residuals, primal outputs)."""
+    return params["fwd_jaxpr"]
+
+
+# -- JAX's next remat and custom_vjp (the `jax_remat3`, `jax_custom_vjp3` flags) -----------------
+# Under these flags `jax.checkpoint`, `checkpoint_name` and `jax.custom_vjp` bind one primitive,
+# `call_hi_primitive`, whose param `_prim` is an object of JAX's internal classes.
+def hi_primitive(params):
+    """(kind, parts) of a `call_hi_primitive` eqn: "remat": (ClosedJaxpr, policy or None for
+    nothing_saveable); "name": the checkpoint name; "vjp": a `HiVJP` (a custom_vjp, or any such
+    primitive with a fwd and a bwd); otherwise (its class name, None)."""
+    prim = params["_prim"]
+    kind = type(prim).__name__
+    if kind == "RematTraced":
+        return "remat", (prim.jaxpr, prim.policy)
+    if kind == "CheckpointName":
+        return "name", prim.name
+    base = hijax.VJPHiPrimitive
+    if isinstance(prim, base) and type(prim).vjp_bwd_retval is not base.vjp_bwd_retval:
+        return "vjp", HiVJP(prim)
+    return kind, None
+
+
+class HiVJP:
+    """A `call_hi_primitive` with a fwd and a bwd, in the shapes jgraph's custom_vjp ops take."""
+
+    def __init__(self, prim):
+        self.prim = prim
+        traced = getattr(prim, "traced", None)
+        self.name = getattr(traced, "fun_name", None) or type(prim).__name__
+        self.res_tree = None  # known once `fwd` is traced
+
+    def body(self, avals):
+        """The primal function, a ClosedJaxpr of the flat inputs."""
+        prim = self.prim
+        return jax.make_jaxpr(lambda *flat: prim.out_tree.flatten_up_to(
+            prim.expand(*jax.tree.unflatten(prim.in_tree, flat))))(*avals)
+
+    def fwd(self, avals, floats):
+        """fwd as a ClosedJaxpr of the flat inputs -> (residual leaves, primal outputs)."""
+        prim, trees = self.prim, []
+
+        def flat_fwd(*flat):
+            nzs = jax.tree.unflatten(prim.in_tree, list(floats))
+            out, res, *_ = prim.vjp_fwd(nzs, *jax.tree.unflatten(prim.in_tree, flat))
+            leaves, tree = jax.tree.flatten(res)
+            trees.append(tree)
+            return [*leaves, *prim.out_tree.flatten_up_to(out)]
+
+        closed = jax.make_jaxpr(flat_fwd)(*avals)
+        self.res_tree = trees[-1]
+        return closed
+
+    def call_wrapped(self, *args):
+        """bwd on (residual leaves, output cotangents) -> one cotangent (or a zero) per input."""
+        prim, n_res = self.prim, self.res_tree.num_leaves
+        res = jax.tree.unflatten(self.res_tree, args[:n_res])
+        cts = jax.tree.unflatten(prim.out_tree, args[n_res:])
+        return prim.in_tree.flatten_up_to(prim.vjp_bwd_retval(res, cts))
+
+
 def call_user_bwd(bwd, *args):
     """Call the user's (flattened, linear_util-wrapped) custom_vjp bwd."""
     return bwd.call_wrapped(*args)
@@ -103,6 +166,7 @@ def check() -> None:
         "jax._src.custom_derivatives.custom_jvp_call_p": (custom_derivatives, "custom_jvp_call_p"),
         "jax._src.custom_derivatives.custom_vjp_call_p": (custom_derivatives, "custom_vjp_call_p"),
         "jax._src.lax.control_flow.loops.scan_p": (loops, "scan_p"),
+        "jax._src.hijax.VJPHiPrimitive": (hijax, "VJPHiPrimitive"),
     }
     missing = [name for name, (module, attr) in needed.items() if not hasattr(module, attr)]
     missing += _missing_params()
@@ -126,11 +190,18 @@ def _missing_params() -> list[str]:
         return x
 
     g.defvjp(lambda x: (x, None), lambda _, ct: (ct,))
+
+    @jax.custom_vjp
+    def h(x):
+        return x
+
+    h.defvjp(lambda x: (x, None), lambda _, ct: (ct,), optimize_remat=True)
     expected = {
         "custom_jvp_call": (f, {"call_jaxpr", "jvp_jaxpr_fun", "num_consts", "symbolic_zeros"}),
         "custom_vjp_call": (g, {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees",
                                 "num_consts", "symbolic_zeros"}),
         "remat2": (jax.checkpoint(jnp.sin), {"jaxpr", "policy", "prevent_cse"}),
+        "remat_opt": (jax.grad(h), {"fwd_jaxpr"}),
     }
     missing = []
     for name, (fn, keys) in expected.items():
@@ -138,4 +209,37 @@ def _missing_params() -> list[str]:
         if eqn.primitive.name != name:
             missing.append(f"primitive {name!r} (JAX now binds {eqn.primitive.name!r})")
         missing += [f"{name} param {k!r}" for k in sorted(keys - set(eqn.params))]
+    return missing + _missing_hi_primitives()
+
+
+def _missing_hi_primitives() -> list[str]:
+    """What `hi_primitive` reads, on jax.checkpoint, checkpoint_name and a custom_vjp traced
+    under the `jax_remat3` and `jax_custom_vjp3` flags."""
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    flags = ("jax_remat3", "jax_custom_vjp3")
+    missing = [f"config flag {f!r}" for f in flags if not hasattr(jax.config, f)]
+    if missing:
+        return missing
+    saved = {f: getattr(jax.config, f) for f in flags}
+    try:
+        for f in flags:
+            jax.config.update(f, True)
+        vjp = jax.custom_vjp(lambda x: x)
+        vjp.defvjp(lambda x: (x, None), lambda _, ct: (ct,))
+        fns = {"remat": jax.checkpoint(jnp.sin), "name": lambda x: checkpoint_name(x, "n"),
+               "vjp": vjp}
+        for kind, fn in fns.items():
+            eqn = jax.make_jaxpr(fn)(1.0).jaxpr.eqns[0]
+            try:
+                got = hi_primitive(eqn.params)[0]
+            except (KeyError, AttributeError) as e:
+                got = f"{type(e).__name__}: {e}"
+            if eqn.primitive.name != "call_hi_primitive" or got != kind:
+                missing.append(f"call_hi_primitive of kind {kind!r} (JAX binds "
+                               f"{eqn.primitive.name!r}, read as {got!r})")
+    finally:
+        for f, value in saved.items():
+            jax.config.update(f, value)
     return missing

@@ -21,9 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jax.extend import core as jex_core
+
 from jgraph import _jax_internals as internals
 from jgraph import ops
 from jgraph.builder import Builder, handler
+from jgraph.custom_lowering import (
+    lower_custom_jvp_call,
+    lower_custom_vjp_call,
+    lower_custom_vjp_call_lazy,
+    lower_expanded_custom_jvp_call,
+    lower_expanded_custom_vjp_call,
+)
 from jgraph.ir import is_float
 
 
@@ -50,7 +59,8 @@ def _jvp_outputs(*values, n_consts, n_primals, **_):
     return list(values[n_consts + n_primals:])
 
 
-ops.defop("custom_jvp_call", _jvp_outputs, _jvp_outputs)
+ops.defop("custom_jvp_call", _jvp_outputs, lower_custom_jvp_call)
+ops.expanded_lowerings["custom_jvp_call"] = lower_expanded_custom_jvp_call
 
 
 @handler("custom_jvp_call")
@@ -68,30 +78,88 @@ def _vjp_outputs(*values, n_primals, n_res, n_consts=0, **_):
     return list(values[n_primals + n_res:len(values) - n_consts])
 
 
-ops.defop("custom_vjp_call", _vjp_outputs, _vjp_outputs)
+ops.defop("custom_vjp_call", _vjp_outputs, lower_custom_vjp_call)
+ops.expanded_lowerings["custom_vjp_call"] = lower_expanded_custom_vjp_call
 
 
 @handler("custom_vjp_call")
 def _custom_vjp_call(b: Builder, eqn, inputs):
     body, fwd, bwd, residuals, n_consts, symbolic_zeros = internals.custom_vjp_params(eqn.params)
-    if b.in_custom_fwd:  # fwd's own values get no gradient: its primal will do
-        return b.inline(body.jaxpr, body.consts, inputs)
+    name = str(eqn.params.get("name") or _name(body, "custom_vjp"))
+    user_fwd = UserFwd.trace(fwd, residuals, n_consts, inputs[n_consts:], name)
+    return emit_custom_vjp(b, inputs, n_consts, (body.jaxpr, body.consts), user_fwd,
+                           UserRule(bwd, "bwd", name), symbolic_zeros)
+
+
+def emit_custom_vjp(b: Builder, inputs, n_consts, body, user_fwd, bwd, symbolic_zeros) -> list:
+    """The eqns of a custom_vjp call on `inputs` (closed-over consts, then primals): fwd's eqns and
+    a `custom_vjp_call` op; called by another's fwd, the body and a `custom_vjp_call_lazy` op."""
     primals = inputs[n_consts:]
-    fwd_jaxpr, fwd_consts = fwd(*(is_float(a.aval) for a in primals))
-    res_tree, input_fwds = residuals()
-    n_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
-    # fwd closes over the same values as the call (its consts are the outer trace's): use the
-    # call's const inputs for them.
-    consts = inputs[:n_consts] if len(fwd_consts) == n_consts else fwd_consts
-    b.in_custom_fwd = True  # a custom_vjp called by fwd (fwd calling f, typically) is inlined
+    if b.in_custom_fwd:  # called by a fwd: its own fwd is traced only if differentiated
+        outs = b.inline(*body, inputs)
+        return b.bind("custom_vjp_call_lazy", *inputs, *outs, n_consts=n_consts,
+                      n_primals=len(primals), fwd=user_fwd, bwd=bwd,
+                      symbolic_zeros=symbolic_zeros)
+    consts = inputs[:n_consts] if user_fwd.consts is None else user_fwd.consts
+    b.in_custom_fwd = True
     try:
-        outs = b.inline(fwd_jaxpr, consts, primals)
+        outs = b.inline(user_fwd.jaxpr, consts, primals)
     finally:
         b.in_custom_fwd = False
-    res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
+    res_out, primal_outs = iter(outs[:user_fwd.n_res_out]), outs[user_fwd.n_res_out:]
     # input_fwds index the call's inputs (closed-over consts first, then primals).
-    res = [next(res_out) if f is None else inputs[f] for f in input_fwds]
-    name = eqn.params.get("name") or _name(body, "custom_vjp")
+    res = [next(res_out) if f is None else inputs[f] for f in user_fwd.input_fwds]
     return b.bind("custom_vjp_call", *primals, *res, *primal_outs, *inputs[:n_consts],
-                  n_primals=len(primals), n_res=len(res), n_consts=n_consts,
-                  bwd=UserRule(bwd, "bwd", str(name)), symbolic_zeros=symbolic_zeros)
+                  n_primals=len(primals), n_res=len(res), n_consts=n_consts, bwd=bwd,
+                  symbolic_zeros=symbolic_zeros)
+
+
+@handler("remat_opt")
+def _remat_opt(b: Builder, eqn, inputs):
+    """`jax.custom_vjp(..., optimize_remat=True)` wraps fwd in `remat_opt`: fwd's eqns, inlined.
+    (Under a remat, JAX then recomputes the primal function instead of fwd when only fwd's
+    primal outputs are needed; jgraph recomputes only the inlined eqns a backward reads.)"""
+    fwd = internals.remat_opt_fwd(eqn.params)
+    return b.inline(fwd.jaxpr, fwd.consts, inputs)
+
+
+# -- custom_vjp_call_lazy: inputs (consts, primals, body outputs) -> body outputs -----------------
+# A custom_vjp called by another custom_vjp's fwd. jgraph's backward never reaches it (fwd's
+# values get no gradient), but a compiled step differentiated again does: it lowers with the
+# user's fwd and bwd (`jgraph.custom_lowering`), so the next order uses the rule, as JAX does.
+ops.defop("custom_vjp_call_lazy", _jvp_outputs, lower_custom_vjp_call_lazy)
+
+
+@dataclass(frozen=True, eq=False)
+class UserFwd:
+    """A custom_vjp's fwd as traced by JAX, printed by name; `run` evaluates it."""
+
+    jaxpr: Any  # (primals) -> (residuals not forwarded from the inputs, primal outputs)
+    consts: Any  # its constants, or None: the call's own const inputs
+    input_fwds: tuple  # per residual: the index of the call input it is, or None
+    n_res_out: int  # residuals the jaxpr computes
+    name: str  # the custom function's name
+
+    @classmethod
+    def trace(cls, fwd, residuals, n_consts, primals, name) -> UserFwd:
+        jaxpr, consts = fwd(*(is_float(a.aval) for a in primals))
+        res_tree, input_fwds = residuals()
+        n_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+        # fwd closes over the same values as the call (its consts are the outer trace's): use
+        # the call's const inputs for them.
+        own = None if len(consts) == n_consts else tuple(consts)
+        return cls(jaxpr, own, tuple(input_fwds), n_res_out, name)
+
+    def run(self, consts, primals):
+        """(primal outputs, residuals) of fwd on JAX values."""
+        closed = jex_core.ClosedJaxpr(self.jaxpr, list(consts if self.consts is None
+                                                       else self.consts))
+        outs = jex_core.jaxpr_as_fun(closed)(*primals)
+        res_out, inputs = iter(outs[:self.n_res_out]), (*consts, *primals)
+        res = [next(res_out) if f is None else inputs[f] for f in self.input_fwds]
+        return list(outs[self.n_res_out:]), res
+
+    def __repr__(self):
+        return f"fwd({self.name})"
+
+    __str__ = __repr__

@@ -14,6 +14,7 @@ import numpy as np
 from jgraph import ops
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
+from jgraph.custom_lowering import expanded_custom_eqns
 from jgraph.errors import JGraphError, while_processing
 from jgraph.ir import Graph, Literal, Var, short_aval
 
@@ -41,9 +42,24 @@ class Interpreter:
     of the same kind (`sub_interpreter`) on each body, called inside `lax.scan` and friends.
     """
 
+    # The custom-derivative eqns jgraph's backward expanded lower by `ops.expanded_lowerings`
+    # (`jgraph.custom_lowering`): those of the graph `run` is given, found when a custom op is
+    # met, or its parent's when it runs a sub-graph.
+    parent_expanded: frozenset | None = None
+    _expanded: frozenset | None = None
+    _expanded_in: Graph | None = None
+
+    @property
+    def expanded(self) -> frozenset:
+        if self._expanded is None:
+            self._expanded = (frozenset() if self._expanded_in is None
+                              else expanded_custom_eqns(self._expanded_in))
+        return self._expanded
+
     def run(self, graph: Graph, *args):
         if len(args) != len(graph.inputs):
             raise JGraphError(f"graph takes {len(graph.inputs)} flat inputs, got {len(args)}")
+        self._expanded, self._expanded_in = self.parent_expanded, graph
         self.env: dict[Var, object] = {}
         last = last_uses(graph)
         for v, x in zip(graph.inputs, args, strict=True):
@@ -74,7 +90,9 @@ class Interpreter:
 
     def eval_eqn(self, eqn, values):
         try:
-            lowering = ops.lowerings[eqn.op]
+            expanded = eqn.op in ops.expanded_lowerings and eqn in self.expanded
+            table = ops.expanded_lowerings if expanded else ops.lowerings
+            lowering = table[eqn.op]
         except KeyError:
             raise JGraphError(f"no lowering for op {eqn.op!r} ({eqn.source})") from None
         if eqn.op in HIGHER_ORDER:
@@ -83,7 +101,9 @@ class Interpreter:
 
     def sub_interpreter(self, graph: Graph) -> Interpreter:
         """The interpreter that runs a sub-graph (a loop body, a branch) of the current graph."""
-        return type(self)()
+        sub = type(self)()
+        sub.parent_expanded = self.expanded
+        return sub
 
     def run_sub(self, graph: Graph, *values) -> list:
         return self.sub_interpreter(graph).run(graph, *values)

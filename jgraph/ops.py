@@ -16,11 +16,14 @@ from typing import Callable
 from jax.extend import core as jex_core
 
 from jgraph.errors import JGraphError
+from jgraph.ir import Graph
 
 Primitive = jex_core.Primitive
 primitives: dict[str, Primitive] = {}  # op name -> the JAX primitive it binds
 shape_rules: dict[str, Callable] = {}
 lowerings: dict[str, Callable] = {}
+# The custom-derivative ops jgraph's backward has expanded lower differently (`custom_lowering`).
+expanded_lowerings: dict[str, Callable] = {}
 
 
 def defop(name: str, shape_rule: Callable, lowering: Callable) -> None:
@@ -52,6 +55,20 @@ def defprim(prim: Primitive) -> str:
 def has_op(name: str) -> bool:
     return name in shape_rules and name in lowerings
 
+
+# Ops with side effects (`jgraph.effects`): no pass removes, merges, copies or reorders them.
+EFFECTFUL = frozenset({"debug_print"})
+
+
+def has_effects(eqn) -> bool:
+    """Whether `eqn` has side effects: an effectful op, or a loop or cond whose body has one."""
+    if eqn.op in EFFECTFUL:
+        return True
+    for value in eqn.params.values():
+        for graph in value if isinstance(value, tuple) else (value,):
+            if isinstance(graph, Graph) and any(has_effects(e) for e in graph.eqns):
+                return True
+    return False
 
 # Public primitives that are not ops: JAX's internal linearization (`custom_lin`) and mutable-ref
 # state (`get`, `swap`: effects, which the tracer refuses).

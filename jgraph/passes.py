@@ -7,14 +7,16 @@ import dataclasses
 import numpy as np
 
 from jgraph.ir import Graph, Var
+from jgraph.ops import has_effects
 
 
 def dce(graph: Graph) -> Graph:
-    """Drop eqns none of whose outputs reaches a graph output. Inputs are kept (the signature)."""
+    """Drop eqns none of whose outputs reaches a graph output, except those with side effects
+    (`jax.debug.print`, or a loop printing). Inputs are kept (the signature)."""
     live = {a for a in graph.outputs if isinstance(a, Var)}
     kept = []
     for eqn in reversed(graph.eqns):
-        if any(v in live for v in eqn.outputs):
+        if any(v in live for v in eqn.outputs) or has_effects(eqn):
             kept.append(eqn)
             live.update(a for a in eqn.inputs if isinstance(a, Var))
     if len(kept) == len(graph.eqns):
@@ -25,9 +27,10 @@ def dce(graph: Graph) -> Graph:
 def cse(graph: Graph) -> Graph:
     """Merge eqns computing the same op on the same atoms with the same params into the first.
 
-    Eqns tagged `no_cse` (recomputation that remat placed on purpose) are never merged, nor used
-    to replace another. Eqns in different checkpoint regions are not merged either: which values a
-    region saves is remat's decision. Inputs are kept (the signature).
+    Eqns tagged `no_cse` (recomputation that remat placed on purpose) and eqns with side effects
+    are never merged, nor used to replace another. Eqns in different checkpoint regions are not
+    merged either: which values a region saves is remat's decision. Inputs are kept (the
+    signature).
     """
     renamed: dict[Var, Var] = {}
     seen: dict[tuple, tuple[Var, ...]] = {}
@@ -40,7 +43,7 @@ def cse(graph: Graph) -> Graph:
         inputs = tuple(read(a) for a in eqn.inputs)
         if inputs != eqn.inputs:
             eqn = dataclasses.replace(eqn, inputs=inputs)
-        key = None if "no_cse" in eqn.tags else _cse_key(eqn)
+        key = None if "no_cse" in eqn.tags or has_effects(eqn) else _cse_key(eqn)
         if key is not None and key in seen:
             renamed.update(zip(eqn.outputs, seen[key], strict=True))
             continue

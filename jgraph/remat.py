@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jgraph import policies
+from jgraph import ops, policies
 from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Region, Var
@@ -147,7 +147,7 @@ class _Planner:
         for eqn in forward:  # saved by the region's policy
             for r in eqn.regions:
                 policy = self.regions[r].policy
-                if eqn.op in NEVER_RECOMPUTED or (
+                if eqn.op in NEVER_RECOMPUTED or ops.has_effects(eqn) or (
                         (eqn, r) not in refused and policies.saves(policy, eqn)):
                     self.crosses.update((v, r) for v in eqn.outputs)
         self.paths = {r: self._path(r) for r in self.regions}

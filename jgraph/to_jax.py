@@ -14,6 +14,7 @@ import jax
 from jgraph import ops, vjp
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
+from jgraph.custom_lowering import RULE_IN_LOWERING, expanded_custom_eqns
 from jgraph.errors import TransformError
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, is_float
@@ -27,8 +28,13 @@ def _with_rule(eqn: Eqn):
     def op(*xs):
         return list(lowering(*xs, **params))
 
+    expanded = ops.expanded_lowerings.get(eqn.op)
+
     def fwd(*xs):
-        outs = op(*xs)
+        # The next order differentiates what the forward ran: the op again (so its rule), or,
+        # for a custom-derivative op, what JAX runs in its place (fwd's code, the jvp rule's
+        # primal outputs), as `jax.grad` of `jax.grad` does.
+        outs = op(*xs) if expanded is None else list(expanded(*xs, **params))
         return outs, (xs, outs)
 
     def bwd(res, cts):
@@ -49,23 +55,30 @@ def _with_rule(eqn: Eqn):
 def _needs_rule(eqn: Eqn) -> bool:
     """Ops run through their rule; a control-flow op is lowered as itself (lax.scan, ...) with
     its body run by this same interpreter, so JAX differentiates the loop through its body's
-    custom_vjp ops."""
+    custom_vjp ops; an op whose lowering carries the user's rule is lowered as itself."""
     return (eqn.op not in vjp.NON_DIFFERENTIABLE and eqn.op not in vjp.CUTS_GRADIENT
-            and eqn.op not in HIGHER_ORDER and any(is_float(v.aval) for v in eqn.outputs))
+            and eqn.op not in HIGHER_ORDER and eqn.op not in RULE_IN_LOWERING
+            and any(is_float(v.aval) for v in eqn.outputs))
 
 
 class _CustomVJPLowering(Interpreter):
-    """Evaluates each differentiable eqn through its custom_vjp wrapper."""
+    """Evaluates each differentiable eqn through its custom_vjp wrapper. A custom-derivative eqn
+    jgraph's backward expanded (`expanded_custom_eqns`) is already code, as in
+    `jax.value_and_grad`: JAX differentiates its lowering."""
 
-    def __init__(self, graph: Graph):
-        self.wrapped = {id(e): _with_rule(e) for e in graph.eqns if _needs_rule(e)}
+    def __init__(self, graph: Graph, parent_expanded=None):
+        self.parent_expanded = parent_expanded
+        expanded = (expanded_custom_eqns(graph) if parent_expanded is None
+                    else parent_expanded)
+        self.wrapped = {id(e): _with_rule(e) for e in graph.eqns
+                        if _needs_rule(e) and e not in expanded}
 
     def eval_eqn(self, eqn, values):
         op = self.wrapped.get(id(eqn))
         return super().eval_eqn(eqn, values) if op is None else op(*values)
 
     def sub_interpreter(self, graph: Graph) -> Interpreter:
-        return _CustomVJPLowering(graph)
+        return _CustomVJPLowering(graph, self.expanded)
 
 
 def to_jax(graph: Graph):

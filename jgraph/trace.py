@@ -95,9 +95,10 @@ def trace_closure(fn, *example_args, param_argnums=None, has_aux=False):
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
             jax.errors.TracerIntegerConversionError, jax.errors.UnexpectedTracerError) as e:
         first = str(e).strip().split("\n")[0]
-        raise TraceError(f"{type(e).__name__} at {_user_line(e)}: {first} (the function needs a "
-                         "concrete value where jg.trace has a traced one: use lax.cond, "
-                         "lax.while_loop or jnp.where for control flow on array values)") from e
+        hint = ("" if "close over" in first else " (the function needs a concrete value where "
+                "jg.trace has a traced one: use lax.cond, lax.while_loop or jnp.where for control "
+                "flow on array values)")  # JAX's custom_vjp3 refuses closures with this error
+        raise TraceError(f"{type(e).__name__} at {_user_line(e)}: {first}{hint}") from e
     out_tree = out_tree_box[-1]
 
     inputs = tuple(Var(v.aval) for v in closed.jaxpr.invars)

@@ -93,13 +93,13 @@ def aliases(eqn: Eqn) -> list[int] | None:
     op, n = eqn.op, len(eqn.outputs)
     if op in IDENTITIES:
         return list(range(n)) if op in ("optimization_barrier", "device_put") else [0] * n
-    if op == "custom_jvp_call":  # inputs: consts, primals, the inlined body's outputs
+    if op in ("custom_jvp_call", "custom_vjp_call_lazy"):  # consts, primals, the body's outputs
         first = eqn.params["n_consts"] + eqn.params["n_primals"]
         return list(range(first, first + n))
     if op == "custom_vjp_call":  # inputs: primals, residuals, the inlined fwd's outputs, consts
         first = eqn.params["n_primals"] + eqn.params["n_res"]
         return list(range(first, first + n))
-    if not eqn.inputs or not isinstance(eqn.inputs[0], Var):
+    if not eqn.inputs or not eqn.outputs or not isinstance(eqn.inputs[0], Var):
         return None
     src, out = eqn.inputs[0].aval, eqn.outputs[0].aval
     if op in ("convert_element_type", "copy", "copy_p", "reduce_precision") \

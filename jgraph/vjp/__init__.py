@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jgraph.errors import TransformError
 from jgraph.ir import is_float
+from jgraph.ops import EFFECTFUL
 
 vjp_rules: dict[str, Callable] = {}
 # op -> fn(n_inputs, params) -> input positions the rule never differentiates (error if needed).
@@ -40,7 +41,7 @@ NON_DIFFERENTIABLE = frozenset(
      "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform", "nextafter",
      "reduce_and", "reduce_or", "reduce_xor", "bitcast_convert_type", "zeros_like",
      "create_token", "after_all", "platform_index", "empty", "empty2",
-     "lu_pivots_to_permutation"}
+     "lu_pivots_to_permutation", "debug_print"}
 )
 # Ops that are registered (they trace, evaluate and compile) but have no VJP rule, and why. On the
 # gradient path each is a TransformError naming the op, the reason and the user's line.
@@ -110,14 +111,20 @@ def apply_rule(b, eqn, out_cts, needed=None):
         if ct is None:  # an output nobody differentiates through: a zero cotangent
             cts[k] = b.call(jnp.zeros_like, eqn.outputs[k])[0]
     needed = (True,) * n_in if needed is None else tuple(needed)
+    start = len(b.eqns)
     outs = b.call(_run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
                   params=_freeze(eqn.params), needed=needed)
+    if getattr(rule, "replays_forward", False):  # its prints ran in the forward already
+        b.eqns[start:] = [e for e in b.eqns[start:] if e.op not in EFFECTFUL]
     return outs + [None] * (n_in - len(outs))
 
 
 def _run_rule(*arrays, rule, n_in, n_out, params, needed):
     ins, outs, cts = arrays[:n_in], arrays[n_in:n_in + n_out], arrays[n_in + n_out:]
-    result = list(rule(cts, ins, outs, **dict(params)))
+    # A rule that can skip work for unneeded cotangents says so (`wants_needed`): the custom_jvp
+    # rule, whose tangents are then symbolic zeros (a closed-over value's must be).
+    extra = {"needed": needed} if getattr(rule, "wants_needed", False) else {}
+    result = list(rule(cts, ins, outs, **dict(params), **extra))
     # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said, and
     # so are those the caller does not need (the call's template drops the eqns computing them).
     return [None if ct is None or not use or not jnp.issubdtype(x.dtype, jnp.inexact) else ct
@@ -152,7 +159,12 @@ def deflinear(op: str, fn: Callable) -> None:
 
 
 # Registration of the rules, by op family (imported for their side effect on `vjp_rules`).
-from jgraph import control_flow, custom_derivatives  # noqa: E402,F401  (tracer handlers)
+from jgraph import (  # noqa: E402,F401  (tracer handlers)
+    control_flow,
+    custom_derivatives,
+    effects,
+    hi_primitives,
+)
 from jgraph.vjp import (  # noqa: E402
     collectives,
     contractions,

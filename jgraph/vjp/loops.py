@@ -28,6 +28,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jgraph import ops
 from jgraph.builder import Builder
 from jgraph.ir import Eqn, Graph, Var, is_float
 
@@ -59,7 +60,7 @@ def split(joint: Graph, kinds, n_out: int) -> Split:
     producer = {v: e for e in fwd for v in e.outputs}
     invariant = {v for v, k in kind.items() if k == "const"}
     for e in fwd:  # values computed from consts alone: R recomputes them
-        if e.op not in ("random_bits", "rng_uniform") and all(
+        if e.op not in ("random_bits", "rng_uniform") and not ops.has_effects(e) and all(
                 a in invariant for a in e.inputs if isinstance(a, Var)):
             invariant.update(e.outputs)
     # R's free variables, pulling in the invariant eqns it needs (in schedule order).
