@@ -140,5 +140,37 @@ def compile(graph: Graph, *, in_shardings=None, out_shardings=None,  # noqa: A00
     are lowered as such."""
     validate(graph, "jg.compile")
     shardings = {"in_shardings": in_shardings, "out_shardings": out_shardings}
-    return jax.jit(as_function(graph), donate_argnums=donate_argnums,
-                   **{k: v for k, v in shardings.items() if v is not None})
+    return Compiled(graph, jax.jit(as_function(graph), donate_argnums=donate_argnums,
+                                   **{k: v for k, v in shardings.items() if v is not None}))
+
+
+class Compiled:
+    """What `jg.compile` returns: the graph's `jax.jit`, called as it is, with its own `lower`,
+    `trace`, `eval_shape`, ... (attributes are the jitted function's).
+
+    `jax.jit` abstracts the arguments before the graph's own argument check runs, so a string, an
+    object or a Python int beyond int32 would fail with JAX's message, which does not say what
+    the graph expected there. Only when the jitted call raises is the check run: it names the
+    argument and the traced signature (a JGraphError), or, for a Python scalar that the input's
+    dtype holds (an int beyond int32 for a float input), converts it and calls again."""
+
+    __slots__ = ("graph", "jitted")
+
+    def __init__(self, graph: Graph, jitted):
+        self.graph, self.jitted = graph, jitted
+
+    def __call__(self, *args):
+        try:
+            return self.jitted(*args)
+        except (TypeError, OverflowError):
+            leaves = flatten_args(self.graph, args)  # raises the JGraphError naming the argument
+            if self.graph.in_tree is None or all(
+                    a is b for a, b in zip(leaves, jax.tree.leaves(tuple(args)), strict=True)):
+                raise
+        return self.jitted(*jax.tree.unflatten(self.graph.in_tree, leaves))
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+    def __repr__(self):
+        return f"jg.compile({self.jitted!r})"

@@ -397,6 +397,10 @@ def _signature_graph():
      r"argument args\[0\]\['w'\] is i32\[3,2\] but the traced signature has f32\[3,2\]"),
     (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 2.5), r"argument args\[2\] is .*i32\[\]"),
     (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 1j), r"argument args\[2\] is .*i32\[\]"),
+    # values jax.jit itself cannot abstract: the call names them, not only JAX's message
+    (({"w": jnp.ones((3, 2))}, "abc", 2), r"argument args\[1\] is a str \('abc'\), not an array"),
+    (({"w": object()}, jnp.ones((2, 3)), 2), r"argument args\[0\]\['w'\] is a object"),
+    (({"w": jnp.ones((3, 2))}, jnp.ones((2, 3)), 2**40), r"args\[2\] is 1099511627776, out of"),
 ])
 def test_calls_with_another_signature_are_named_errors(run, args, message):
     g = _signature_graph()
@@ -411,6 +415,9 @@ def test_python_scalars_that_fit_are_converted():
     assert float(jg.evaluate(g, *args, 3)) == float(jg.compile(g)(*args, 3)) == 36.0
     with pytest.raises(jg.JGraphError, match=r"out of the range of i32\[\]"):
         jg.evaluate(g, *args, 2**40)
+    # an int beyond int32 is a float input's value as jax.jit would refuse to abstract it
+    h = jg.trace(lambda p, x: p * x, jnp.ones(()), jnp.ones(()))
+    assert float(jg.compile(h)(1.0, 2**40)) == float(jg.evaluate(h, 1.0, 2**40)) == 2.0**40
 
 
 def test_integer_params_are_an_error_naming_the_param():
