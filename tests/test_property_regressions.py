@@ -143,3 +143,27 @@ def test_cse_of_a_remat_graph_keeps_recomputes_reading_merged_values():
     got = jg.evaluate(merged, p)
     np.testing.assert_array_equal(jax.tree.leaves(got), jax.tree.leaves(jg.evaluate(gb, p)))
     np.testing.assert_allclose(jax.tree.leaves(got), jax.tree.leaves(want), rtol=1e-6)
+
+
+def test_check_grads_of_a_float32_program_whose_loop_reads_a_float_made_from_ints():
+    # The README's finite-difference property drew (float32, x64 off) a scan over
+    # `to_float(i + i, dtype=float32)` closing over a float param. check_grads runs programs on
+    # float64 arguments, so the carry started float32 and came out float64: JAX refused the
+    # scan. A program is generic in its float dtype: what it makes from ints follows its args.
+    from jgraph.testing.build import Program
+    from jgraph.testing.recipe import FLOAT, INT, Recipe, Slot, Step
+
+    recipe = Recipe(
+        arguments=(0, 1, 2),
+        slots=(Slot((), FLOAT, 1.0), Slot((1,), FLOAT, 1.0), Slot((1,), INT, 4.0),
+               Slot((1,), INT, 8.0), Slot((1,), FLOAT, 8.0), Slot((), FLOAT, 1.0),
+               Slot((1,), FLOAT, 8.0)),
+        steps=(Step("int_arith", (2, 2), (("c", 2), ("op", "add")), (3,)),
+               Step("to_float", (3,), (("dtype", "float32"),), (4,)),
+               Step("scan", (4, 0), (("remat", False), ("reverse", False)), (5, 6))),
+        spans=(), loss_terms=(5,), aux=(), has_aux=False, param_argnums=(0, 1),
+        dtype="float32", seed=1232)
+    program = Program(recipe)
+    args = (F32(0.3), np.array([0.2], F32), np.array([1], np.int32))
+    assert program(*args).dtype == np.float32  # as drawn
+    jg.testing.check_grads(program, args)  # float64 arguments: float64 throughout

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
@@ -120,7 +121,14 @@ class Program:
         self.__name__ = "program"
 
     def __call__(self, *args):
-        env = dict(enumerate(jax.tree.leaves(args)))
+        leaves = jax.tree.leaves(args)
+        # The program is generic in its floating dtype: called on float64 arguments (as
+        # `check_grads` calls it) the values it makes from integers are float64 too, so a loop's
+        # carry never mixes the drawn dtype with the arguments'.
+        self.float_dtype = next((x.dtype for x in leaves
+                                 if jnp.issubdtype(jnp.result_type(x), jnp.floating)),
+                                np.dtype(self.recipe.dtype))
+        env = dict(enumerate(leaves))
         self._run(env, 0, len(self.recipe.steps), None)
         loss = loss_of(*(env[j] for j in self.recipe.loss_terms))
         if self.has_aux:
@@ -155,7 +163,10 @@ class Program:
 
     def _step(self, env, i):
         step = self.recipe.steps[i]
-        out = FAMILIES[step.family].apply(*(env[j] for j in step.operands), **dict(step.static))
+        static = dict(step.static)
+        if static.get("dtype") == self.recipe.dtype:  # a float made from ints or from nothing
+            static["dtype"] = self.float_dtype
+        out = FAMILIES[step.family].apply(*(env[j] for j in step.operands), **static)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if step.name is not None:
             outs[0] = named(outs[0], name=step.name)
