@@ -22,6 +22,7 @@ or static values does not hold every graph it traced.
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections import OrderedDict
 
@@ -130,26 +131,30 @@ class _Same:
 
 class TraceCache:
     """Signature -> entry, least recently used first out; an entry traced while `fun` read other
-    values than it reads now is a miss."""
+    values than it reads now is a miss. Safe to share between threads (two threads missing at
+    once both trace; the last one's entry stays)."""
 
     def __init__(self, max_entries: int | None = None):
         self.max_entries = MAX_ENTRIES if max_entries is None else max_entries
         self._entries: OrderedDict = OrderedDict()  # signature -> (reads, entry)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, signature, now_reads: tuple):
-        found = self._entries.get(signature)
-        if found is None or found[0] != now_reads:
-            return None
-        self._entries.move_to_end(signature)
-        return found[1]
+        with self._lock:
+            found = self._entries.get(signature)
+            if found is None or found[0] != now_reads:
+                return None
+            self._entries.move_to_end(signature)
+            return found[1]
 
     def put(self, signature, now_reads: tuple, entry) -> None:
         if any(isinstance(k, _Same) and isinstance(k.value, jax.core.Tracer) for k in now_reads):
             return  # fun reads a value of an enclosing trace: an entry must not outlive it
-        self._entries[signature] = (now_reads, entry)
-        self._entries.move_to_end(signature)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[signature] = (now_reads, entry)
+            self._entries.move_to_end(signature)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
