@@ -74,11 +74,17 @@ _UNASSIGNED = object()
 
 
 def _globals_named(code: types.CodeType, namespace: dict) -> list:
-    found = [namespace[n] for n in code.co_names if n in namespace]
+    return [namespace[n] for n in _names(code) if n in namespace]
+
+
+@functools.lru_cache(maxsize=1024)
+def _names(code: types.CodeType) -> tuple:
+    """The global (and attribute) names a code object uses, its nested functions' included."""
+    names = list(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):  # a lambda or def inside fun
-            found += _globals_named(const, namespace)
-    return found
+            names += _names(const)
+    return tuple(dict.fromkeys(names))
 
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
