@@ -240,6 +240,17 @@ def test_errors_of_every_kind_are_jaxs(name):
     raises_like_jax(ERROR_CALLS[name])
 
 
+def test_reduce_axes_is_refused_as_jax_refuses_it():
+    for call in (lambda t: t.grad(jnp.sin, reduce_axes=("batch",)),
+                 lambda t: t.value_and_grad(jnp.sin, reduce_axes=("batch",)),
+                 lambda t: t.vjp(jnp.sin, 1.0, reduce_axes=("batch",))):
+        with pytest.raises(NotImplementedError):
+            call(jax)
+        with pytest.raises(jg.JGraphError, match="reduce_axes") as ours:
+            call(jg)
+        assert isinstance(ours.value, NotImplementedError)
+
+
 def test_an_exception_inside_fun_comes_through():
     class Boom(Exception):
         pass

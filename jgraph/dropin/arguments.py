@@ -11,7 +11,8 @@ leaf of the call is one of:
   is not differentiated): a concrete value inside `fun`, as under JAX, and part of the cache key.
 
 The checks raise where `jax.grad` raises, with the same exception type (`ArgumentError` is a
-TypeError, `ArgumentValueError` a ValueError, both jgraph errors) and a message naming the argument.
+TypeError, `ArgumentValueError` a ValueError, `UnsupportedOptionError` a NotImplementedError, all
+jgraph errors) and a message naming the argument.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class ArgumentError(TransformError, TypeError):
 
 class ArgumentValueError(TransformError, ValueError):
     """A call that JAX refuses with a ValueError (an argnum out of range, a cotangent's shape)."""
+
+
+class UnsupportedOptionError(TransformError, NotImplementedError):
+    """An option JAX deprecated and refuses with a NotImplementedError (`reduce_axes`)."""
 
 
 def check_callable(fun, name: str) -> None:

@@ -23,7 +23,13 @@ import numpy as np
 
 from jgraph.backward import vjp_graph
 from jgraph.dropin import arguments
-from jgraph.dropin.arguments import DATA, PARAM, ArgumentError, ArgumentValueError
+from jgraph.dropin.arguments import (
+    DATA,
+    PARAM,
+    ArgumentError,
+    ArgumentValueError,
+    UnsupportedOptionError,
+)
 from jgraph.dropin.cache import TraceCache, reads
 from jgraph.dropin.runner import GraphRunner
 from jgraph.ir import Graph, Var, is_float, short_aval
@@ -144,7 +150,8 @@ def vjp(fun, *primals, has_aux=False, reduce_axes=()):
     one cotangent per primal (a tuple), float0 zeros for integer leaves, as JAX's."""
     arguments.check_callable(fun, NAME)
     if reduce_axes:
-        raise ArgumentError(f"{NAME}: reduce_axes is not supported (JAX deprecated it too)")
+        raise UnsupportedOptionError(f"{NAME}: reduce_axes is not supported (JAX deprecated it "
+                                     "too)")
     call = arguments.split_call(primals, {}, None, NAME, _leaf_kind)
     now_reads = reads(fun)
     pullback = _cached(fun, call.signature, now_reads)

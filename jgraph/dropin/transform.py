@@ -27,10 +27,9 @@ import numpy as np
 
 from jgraph.backward import backward
 from jgraph.dropin import arguments
-from jgraph.dropin.arguments import DATA, PARAM, STATIC, ArgumentError
+from jgraph.dropin.arguments import DATA, PARAM, STATIC, ArgumentError, UnsupportedOptionError
 from jgraph.dropin.cache import TraceCache, reads
 from jgraph.dropin.runner import GraphRunner
-from jgraph.errors import TransformError
 from jgraph.ir import Graph, short_aval
 from jgraph.remat import remat
 from jgraph.trace import trace_closure
@@ -234,7 +233,8 @@ def _check_options(name, holomorphic, reduce_axes):
         raise ArgumentError(f"{name}: holomorphic=True is not supported (jgraph differentiates "
                             "real-valued losses); use jax.grad(..., holomorphic=True)")
     if reduce_axes:
-        raise TransformError(f"{name}: reduce_axes is not supported (JAX deprecated it too)")
+        raise UnsupportedOptionError(f"{name}: reduce_axes is not supported (JAX deprecated it "
+                                     "too)")
 
 
 def value_and_grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False,
