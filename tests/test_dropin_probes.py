@@ -563,11 +563,14 @@ def test_a_recursive_loss_and_a_dead_function_are_not_kept():
 
 
 # -- not yet as JAX: other engineers' areas ---------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="vjp rules: convert_element_type's transpose drops the "
-                   "weak type (jgraph/vjp/elementwise.py); JAX keeps it for a Python-float param")
+@pytest.mark.xfail(strict=True, reason="weak types: convert_element_type's VJP drops the weak "
+                   "type (jgraph/vjp/elementwise.py) and a weak literal runs as a numpy scalar "
+                   "(jgraph/interpreter.py), so x * 2.0 of a Python float is strong; JAX keeps it")
 def test_python_float_param_gets_a_weakly_typed_gradient():
     fn = lambda x: jnp.sum(x ** 2)  # noqa: E731
     assert jg.grad(fn)(2.0).weak_type == jax.grad(fn)(2.0).weak_type is True
+    double = lambda x: x * 2.0  # noqa: E731
+    assert jg.vjp(double, 1.5)[0].weak_type == jax.vjp(double, 1.5)[0].weak_type is True
 
 
 @pytest.mark.f64
