@@ -10,7 +10,11 @@ figure is drawn without pyplot, so no global backend is touched.
 
 from __future__ import annotations
 
+import operator
+import os
 from pathlib import Path
+
+import numpy as np
 
 from jgraph.errors import JGraphError
 
@@ -32,16 +36,14 @@ def plot_memory(path, reports, labels=None, compiled=None, title=None) -> Path:
     if len(labels) != len(reports):
         raise JGraphError(f"MemoryReport.plot: {len(labels)} labels for {len(reports)} reports")
     temps = _compiled(compiled, len(reports))
-    path = Path(path)
-    if not path.resolve().parent.is_dir():
-        raise JGraphError(f"MemoryReport.plot: folder {path.resolve().parent} does not exist")
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise ModuleNotFoundError("MemoryReport.plot needs matplotlib: pip install "
                                   "'jgraph[demo]'", name="matplotlib") from None
-    scale, unit = _unit(max([r.peak_bytes for r in reports] + [t for t in temps if t] + [1]))
     fig = Figure(figsize=(8, 4.2))
+    path = _checked_path(path, fig.canvas.get_supported_filetypes())
+    scale, unit = _unit(max([r.peak_bytes for r in reports] + [t for t in temps if t] + [1]))
     ax = fig.subplots()
     _shade(ax, reports[0].step_roles)
     for k, (r, label, temp) in enumerate(zip(reports, labels, temps, strict=True)):
@@ -59,10 +61,33 @@ def plot_memory(path, reports, labels=None, compiled=None, title=None) -> Path:
                        label=f"{label}: XLA temp {temp / scale:.3g} {unit}")
     ax.set(xlabel="step of the compiled step, in XLA's order",
            ylabel=f"live temp ({unit})", title=title or "jgraph memory along the schedule")
-    ax.set_ylim(bottom=0)
+    top = max([r.peak_bytes for r in reports] + [t for t in temps if t] + [1]) / scale
+    ax.set_ylim(0, top * 1.18)  # room for the peak notes above the highest curve
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return path
+
+
+def _checked_path(path, formats) -> Path:
+    """`path` as a Path whose folder exists and whose suffix matplotlib can write (none: .png,
+    added here, so the returned path is the file written)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise JGraphError(f"MemoryReport.plot: the path is a file name (str or os.PathLike), "
+                          f"got {type(path).__name__}")
+    path = Path(path)
+    if path.is_dir():
+        raise JGraphError(f"MemoryReport.plot: {path} is a folder; give a file name such as "
+                          f"{path / 'memory.png'}")
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise JGraphError(f"MemoryReport.plot: folder {folder} {what}")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix[1:].lower() not in formats:
+        raise JGraphError(f"MemoryReport.plot: matplotlib cannot write {path.suffix!r} files; "
+                          f"use one of {', '.join('.' + f for f in sorted(formats))}")
     return path
 
 
@@ -76,9 +101,14 @@ def _compiled(compiled, n: int) -> list:
     out = []
     for v in values:
         v = getattr(v, "temp_bytes", v)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise JGraphError(f"MemoryReport.plot(compiled=...): XLA's temp bytes (an int or a "
-                              f"jg.compiled_memory result), got {v!r}")
+        if v is not None:
+            try:  # Python and numpy integers
+                v = None if isinstance(v, (bool, np.bool_)) else operator.index(v)
+            except TypeError:
+                v = None
+            if v is None or v < 0:
+                raise JGraphError(f"MemoryReport.plot(compiled=...): XLA's temp bytes (an int or "
+                                  f"a jg.compiled_memory result), got {values[len(out)]!r}")
         out.append(v)
     return out
 
@@ -91,12 +121,14 @@ def _unit(top: int) -> tuple[int, str]:
 
 
 def _shade(ax, roles) -> None:
-    """Shade runs of steps of one role, each role once in the legend."""
-    seen, start = set(), 0
+    """Shade runs of steps of one role: one collection per role (one legend entry each; a span
+    per run would cost seconds on a remat plan of a 10k-eqn graph, where roles alternate)."""
+    spans: dict[str, list] = {}
+    start = 0
     for i in range(1, len(roles) + 1):
         if i == len(roles) or roles[i] != roles[start]:
-            role = roles[start]
-            ax.axvspan(start - 0.5, i - 0.5, color=SHADES.get(role, "#ffffff"), lw=0,
-                       label=role if role not in seen else None)
-            seen.add(role)
+            spans.setdefault(roles[start], []).append((start - 0.5, i - start))
             start = i
+    for role, ranges in spans.items():
+        ax.broken_barh(ranges, (0, 1), transform=ax.get_xaxis_transform(), lw=0,
+                       color=SHADES.get(role, "#ffffff"), label=role)

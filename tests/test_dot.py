@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import jgraph as jg
-from jgraph.dot import runs, size
+from jgraph.dot import MAX_GROUPS, runs, size
 
 F32 = jnp.float32
 
@@ -89,7 +89,7 @@ def test_collapsed_view_of_a_big_graph():
     text = jg.to_dot(gb)  # collapsed by default above 400 eqns
     nodes, edges = check_structure(text)
     groups = [n for n in nodes if re.fullmatch(r"g\d+", n)]
-    assert len(groups) == len(runs(gb)) < len(gb.eqns) // 2
+    assert len(groups) == len(runs(gb, MAX_GROUPS)) < len(gb.eqns) // 2
     assert "eqns: dot_general" in text
     full_nodes, _ = check_structure(jg.to_dot(gb, collapse=False))
     assert len(full_nodes) > len(nodes) + len(gb.eqns) // 2

@@ -15,7 +15,7 @@ variants are in `jgraph.dropin.filtered`, `jg.vjp` in `jgraph.dropin.pullback`.
 import types
 
 import jgraph.vjp as _rules
-from jgraph.dropin.arguments import ArgumentError, ArgumentValueError
+from jgraph.dropin.arguments import ArgumentError, ArgumentValueError, UnsupportedOptionError
 from jgraph.dropin.filtered import filter_grad, filter_value_and_grad
 from jgraph.dropin.pullback import vjp
 from jgraph.dropin.transform import ValueAndGrad, grad, value_and_grad
@@ -31,5 +31,5 @@ class _CallableRulesModule(types.ModuleType):
 _CallableRulesModule.__call__.__doc__ = vjp.__doc__
 _rules.__class__ = _CallableRulesModule
 
-__all__ = ["ArgumentError", "ArgumentValueError", "ValueAndGrad", "filter_grad",
-           "filter_value_and_grad", "grad", "value_and_grad", "vjp"]
+__all__ = ["ArgumentError", "ArgumentValueError", "UnsupportedOptionError", "ValueAndGrad",
+           "filter_grad", "filter_value_and_grad", "grad", "value_and_grad", "vjp"]

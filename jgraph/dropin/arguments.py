@@ -11,7 +11,8 @@ leaf of the call is one of:
   is not differentiated): a concrete value inside `fun`, as under JAX, and part of the cache key.
 
 The checks raise where `jax.grad` raises, with the same exception type (`ArgumentError` is a
-TypeError, `ArgumentValueError` a ValueError, both jgraph errors) and a message naming the argument.
+TypeError, `ArgumentValueError` a ValueError, `UnsupportedOptionError` a NotImplementedError, all
+jgraph errors) and a message naming the argument.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 
 from jgraph.builder import _trace_config
+from jgraph.dropin.cache import static_key
 from jgraph.errors import TransformError
 from jgraph.ir import short_aval
 
@@ -36,6 +38,10 @@ class ArgumentError(TransformError, TypeError):
 
 class ArgumentValueError(TransformError, ValueError):
     """A call that JAX refuses with a ValueError (an argnum out of range, a cotangent's shape)."""
+
+
+class UnsupportedOptionError(TransformError, NotImplementedError):
+    """An option JAX deprecated and refuses with a NotImplementedError (`reduce_axes`)."""
 
 
 def check_callable(fun, name: str) -> None:
@@ -59,6 +65,9 @@ def normalize_argnums(argnums, name: str) -> int | tuple[int, ...]:
 def resolve_argnums(argnums, nargs: int, name: str) -> tuple[int, ...]:
     """Non-negative positions of the differentiated arguments for a call with `nargs`."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
+    if not nums:  # JAX: a ValueError (max() of nothing)
+        raise ArgumentValueError(f"{name}: argnums=() differentiates nothing; give at least one "
+                                 "argument position")
     if nums and max(nums) >= nargs:
         raise ArgumentError(f"{name}: argnums={argnums} needs at least {max(nums) + 1} positional "
                             f"arguments, but the call passed {nargs}")
@@ -66,7 +75,13 @@ def resolve_argnums(argnums, nargs: int, name: str) -> tuple[int, ...]:
         if n < -nargs:
             raise ArgumentValueError(f"{name}: argnums={argnums} has {n}, out of range for "
                                      f"{nargs} positional arguments")
-    return tuple(n % nargs for n in nums)
+    resolved = tuple(n % nargs for n in nums)
+    if len(set(resolved)) < len(resolved):
+        # JAX passes None for the repeated argument, and `fun` fails on it (often a TypeError
+        # from inside fun); the repeat is the mistake, so it is named here.
+        raise ArgumentValueError(f"{name}: argnums={argnums} names an argument twice (positions "
+                                 f"{resolved} for {nargs} positional arguments)")
+    return resolved
 
 
 def is_array(x) -> bool:
@@ -118,13 +133,33 @@ def other_leaf_kind(x):
     return (DATA, jax.typeof(x)) if is_array(x) else (STATIC, None)
 
 
+class StaticValue:
+    """A static leaf in a signature: equal to another of the same type and value, Python floats
+    compared bitwise (a trace made with 0.0 is not reused for -0.0, and a NaN finds its trace:
+    `==` and `hash` say otherwise). Unhashable if the value is."""
+
+    __slots__ = ("value", "key")
+
+    def __init__(self, value):
+        self.value, self.key = value, static_key(value)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticValue) and self.key == other.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        return f"StaticValue({self.value!r:.60})"
+
+
 @dataclass(frozen=True)
 class Signature:
     """What a trace depends on: tree structure, each leaf's kind and aval (or static value), and
     JAX's trace settings. Hashable when every static value is."""
 
     treedef: Any  # of (args, kwargs)
-    leaves: tuple  # per leaf: (kind, aval) for param/data, (STATIC, type, value) for static
+    leaves: tuple  # per leaf: (kind, aval) for param/data, (STATIC, type, StaticValue) for static
     config: tuple  # x64, matmul precision, promotion rules (`jgraph.builder._trace_config`)
 
     def hashable(self) -> bool:
@@ -164,7 +199,7 @@ def split_call(args, kwargs, argnums, name: str, kind_of) -> Call:
     for k, (x, i) in enumerate(zip(leaves, positions, strict=True)):
         kind, aval = kind_of(x, path_of(k), i in nums)
         if kind == STATIC:
-            described.append((STATIC, type(x), x))
+            described.append((STATIC, type(x), StaticValue(x)))
         else:
             described.append((kind, aval))
             dynamic.append(x)
@@ -190,7 +225,7 @@ def refill(signature: Signature, dynamic) -> tuple[tuple, dict]:
     """(args, kwargs) with the static leaves of `signature` and `dynamic` (tracers) everywhere
     else. (The signature, not the call: a cached trace must not keep a call's arrays alive.)"""
     dynamic = iter(dynamic)
-    values = [d[2] if d[0] == STATIC else next(dynamic) for d in signature.leaves]
+    values = [d[2].value if d[0] == STATIC else next(dynamic) for d in signature.leaves]
     return jax.tree.unflatten(signature.treedef, values)
 
 

@@ -6,8 +6,10 @@ where JAX splits it: a forward graph (primals -> outputs and the residuals the b
 now, and a backward graph (residuals, cotangents -> input cotangents) run by the returned function.
 That function is a pytree whose leaves are the residuals, as JAX's is, so it can be returned from
 or passed into a `jax.jit`. Graphs are cached per (function, abstract signature) while the function
-lives; both run where they are called (`jgraph.dropin.runner`). `jax.checkpoint` regions in `fun`
-are rematerialized: their inner values are recomputed by the returned function, not kept.
+lives (`jgraph.dropin.cache`: bounded, and traced again when what the function reads from its
+globals or closure was rebound); both run where they are called (`jgraph.dropin.runner`).
+`jax.checkpoint` regions in `fun` are rematerialized: their inner values are recomputed by the
+returned function, not kept.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import numpy as np
 
 from jgraph.backward import vjp_graph
 from jgraph.dropin import arguments
-from jgraph.dropin.arguments import DATA, PARAM, ArgumentError, ArgumentValueError
+from jgraph.dropin.arguments import (
+    DATA,
+    PARAM,
+    ArgumentError,
+    ArgumentValueError,
+    UnsupportedOptionError,
+)
+from jgraph.dropin.cache import TraceCache, reads
 from jgraph.dropin.runner import GraphRunner
 from jgraph.ir import Graph, Var, is_float, short_aval
 from jgraph.passes import dce
@@ -79,19 +88,21 @@ def split_forward_backward(joint: Graph, n_inputs: int, n_outputs: int):
     return forward, backward
 
 
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fun -> {Signature: _Pullback}
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fun -> TraceCache
 
 
-def _cached(fun, signature):
+def _cached(fun, signature, now_reads):
     try:
-        return _cache.get(fun, {}).get(signature)
+        return _cache[fun].get(signature, now_reads) if fun in _cache else None
     except TypeError:  # a function that cannot be weakly referenced, or an unhashable static
         return None
 
 
-def _store(fun, signature, pullback) -> None:
+def _store(fun, signature, now_reads, pullback) -> None:
     try:
-        _cache.setdefault(fun, {})[signature] = pullback
+        if fun not in _cache:
+            _cache[fun] = TraceCache()
+        _cache[fun].put(signature, now_reads, pullback)
     except TypeError:
         pass
 
@@ -139,13 +150,15 @@ def vjp(fun, *primals, has_aux=False, reduce_axes=()):
     one cotangent per primal (a tuple), float0 zeros for integer leaves, as JAX's."""
     arguments.check_callable(fun, NAME)
     if reduce_axes:
-        raise ArgumentError(f"{NAME}: reduce_axes is not supported (JAX deprecated it too)")
+        raise UnsupportedOptionError(f"{NAME}: reduce_axes is not supported (JAX deprecated it "
+                                     "too)")
     call = arguments.split_call(primals, {}, None, NAME, _leaf_kind)
-    pullback = _cached(fun, call.signature)
+    now_reads = reads(fun)
+    pullback = _cached(fun, call.signature, now_reads)
     if pullback is None:
         pullback = _trace(fun, call, has_aux)
         if not pullback.forward.closed_over:
-            _store(fun, call.signature, pullback)
+            _store(fun, call.signature, now_reads, pullback)
     flat = pullback.forward(call.dynamic)
     n_out = pullback.out_tree.num_leaves
     n_aux = sum(x is None for x in pullback.aux_static)

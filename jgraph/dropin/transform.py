@@ -3,8 +3,10 @@
 A call splits its arguments (`jgraph.dropin.arguments`), and looks up the joint graph of their
 abstract signature: on a miss, `fun` is traced once (`jg.trace`, from the avals of the arguments,
 tracers included), differentiated (`jg.backward`) and rematerialized (`jg.remat`: the
-`jax.checkpoint` regions of `fun`, and `policy=` / `budget=`), then cached on the transform. The
-graph runs where the call is (`jgraph.dropin.runner`): inlined into an enclosing trace, or eagerly.
+`jax.checkpoint` regions of `fun`, and `policy=` / `budget=`), then cached on the transform
+(`jgraph.dropin.cache`: the most recently used signatures, traced again when `fun`'s globals or
+closure were rebound). The graph runs where the call is (`jgraph.dropin.runner`): inlined into an
+enclosing trace, or eagerly.
 A graph that closes over tracers of an enclosing trace (a loss defined inside the user's `jit`,
 reading its batch) is traced again at every call: its inputs live in that trace only.
 
@@ -25,9 +27,9 @@ import numpy as np
 
 from jgraph.backward import backward
 from jgraph.dropin import arguments
-from jgraph.dropin.arguments import DATA, PARAM, STATIC, ArgumentError
+from jgraph.dropin.arguments import DATA, PARAM, STATIC, ArgumentError, UnsupportedOptionError
+from jgraph.dropin.cache import TraceCache, reads
 from jgraph.dropin.runner import GraphRunner
-from jgraph.errors import TransformError
 from jgraph.ir import Graph, short_aval
 from jgraph.remat import remat
 from jgraph.trace import trace_closure
@@ -105,7 +107,7 @@ class ValueAndGrad:
         self.argnums = arguments.normalize_argnums(argnums, name)
         self.policy, self.budget, self.value, self.filtered = policy, budget, value, filtered
         self.name = name
-        self._cache: dict = {}  # Signature -> Entry
+        self._cache = TraceCache()  # Signature -> Entry
         functools.update_wrapper(self, fun, updated=())
 
     def __get__(self, instance, owner=None):  # decorating a method, as a function would
@@ -144,12 +146,14 @@ class ValueAndGrad:
 
     def _entry(self, call: arguments.Call) -> Entry:
         signature = call.signature
-        cacheable = signature.hashable()
-        if cacheable and signature in self._cache:
-            return self._cache[signature]
-        entry = self._trace(call)
-        if cacheable and not entry.run.closed_over:
-            self._cache[signature] = entry
+        if not signature.hashable():
+            return self._trace(call)
+        now_reads = reads(self.fun)
+        entry = self._cache.get(signature, now_reads)
+        if entry is None:
+            entry = self._trace(call)
+            if not entry.run.closed_over:
+                self._cache.put(signature, now_reads, entry)
         return entry
 
     def _trace(self, call: arguments.Call) -> Entry:
@@ -225,11 +229,12 @@ def _grad_slots(call: arguments.Call, joint: Graph) -> list:
 
 
 def _check_options(name, holomorphic, reduce_axes):
-    if holomorphic:
-        raise TransformError(f"{name}: holomorphic=True is not supported (jgraph differentiates "
-                             "real-valued losses); use jax.grad(..., holomorphic=True)")
+    if holomorphic:  # a TypeError, as JAX's refusals of holomorphic=True are
+        raise ArgumentError(f"{name}: holomorphic=True is not supported (jgraph differentiates "
+                            "real-valued losses); use jax.grad(..., holomorphic=True)")
     if reduce_axes:
-        raise TransformError(f"{name}: reduce_axes is not supported (JAX deprecated it too)")
+        raise UnsupportedOptionError(f"{name}: reduce_axes is not supported (JAX deprecated it "
+                                     "too)")
 
 
 def value_and_grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False,
