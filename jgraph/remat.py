@@ -7,16 +7,22 @@ of a region's inner values, copies recomputed from what the region keeps (DESIGN
 
 A value v produced inside region r *crosses* r (survives its end) iff v is read outside r (by a
 forward eqn or as a graph output), or r's policy saves v's producing eqn, or that op must not be
-run twice (stateful RNG). Region inputs and params are defined outside the region, so they are
-always at hand. Regions nest as in JAX: the *home* of v is the deepest region on its path that v
-does not cross. Values with no home are kept from the forward. A value whose home is region R is
-recomputed once, in R's recompute, from the values kept at R's level, which may themselves be
-recomputed copies of an enclosing region's recompute; while R is recomputed, a region nested in R
-again keeps only what crosses it, so recursive checkpointing gives logarithmic memory.
+run twice (stateful RNG), or v is a small constant computed from literals alone
+(`small_constants`: computed once, never recomputed). Region inputs and params are defined outside
+the region, so they are always at hand. Regions nest as in JAX: the *home* of v is the deepest
+region on its path that v does not cross. Values with no home are kept from the forward. A value
+whose home is region R is recomputed once, in R's recompute, from the values kept at R's level,
+which may themselves be recomputed copies of an enclosing region's recompute; while R is
+recomputed, a region nested in R again keeps only what crosses it, so recursive checkpointing
+gives logarithmic memory.
 
 Policies. A region's policy is asked about every forward eqn inside it, inner regions included;
 with `policy=`, one more region holds the whole forward. (JAX asks an outer policy about an inner
-`remat` as a whole, not about its eqns; for everything/nothing-saveable the two agree.)
+`remat` as a whole, not about its eqns; for everything/nothing-saveable the two agree.) A policy
+sees through loops: a region's policy that saves something inside a `scan` or `cond` was applied
+inside its bodies when `jgraph.backward` linearized it (`jgraph.vjp.loops.pushed_policies`), and the
+loop left the region; a region whose policy saves nothing inside recomputes the loop whole, and
+the copy computes only the outputs the backward reads.
 
 Recompute is demand driven: a copy is emitted just before the first eqn that reads it, so nothing
 is recomputed that no backward eqn reads. Copies are tagged `recompute` (and `no_cse` when the
@@ -32,13 +38,15 @@ import dataclasses
 from jgraph import policies
 from jgraph.check import validate
 from jgraph.errors import TransformError
-from jgraph.ir import Eqn, Graph, Region, Var
+from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.passes import dce
 
 # Ops with bodies: a policy over the whole forward applies inside them, not to them.
 LOOPS = frozenset({"scan", "cond"})
 # Ops whose outputs are never recomputed: running them again would not give the same values.
 NEVER_RECOMPUTED = frozenset({"rng_uniform"})
+# A value computed from literals alone is kept (computed once) up to this size at least.
+SMALL_CONSTANT_BYTES = 64
 
 
 def is_forward(eqn: Eqn) -> bool:
@@ -89,7 +97,7 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     carry, a y slice) do not count as read outside a region: the loop keeps them anyway (as the
     next iteration's carry, or stacked as ys), so they are recomputed, not saved twice."""
     if policy is not None:
-        graph = _with_whole_forward_region(graph, policy)
+        graph = with_whole_forward_region(graph, policy)
     if not graph.regions:
         return graph
     planner = _Planner(graph, body_outputs)
@@ -104,14 +112,43 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     for region_id in planner.emitted.values():
         counts[region_id] += 1
     info = dict(graph.info, remat={"recomputed_eqns": counts, "policy": _policy_label(policy)})
-    return dce(graph.replace(eqns=tuple(eqns), info=info))
+    return _prune_recomputed_loops(dce(graph.replace(eqns=tuple(eqns), info=info)))
+
+
+def _prune_recomputed_loops(graph: Graph) -> Graph:
+    """Recomputed conds and scans compute only the outputs something reads: a cond's unread
+    outputs and a scan's unread ys leave their bodies (the forward's outputs are not needed
+    again, only the residuals the backward reads)."""
+    read = {a for e in graph.eqns for a in e.inputs if isinstance(a, Var)}
+    read.update(a for a in graph.outputs if isinstance(a, Var))
+    eqns = []
+    for eqn in graph.eqns:
+        if "recompute" in eqn.tags and eqn.op in LOOPS:
+            first = eqn.params["num_carry"] if eqn.op == "scan" else 0
+            keep = [k for k, v in enumerate(eqn.outputs) if k < first or v in read]
+            if len(keep) < len(eqn.outputs):
+                eqn = _with_outputs(eqn, keep)
+        eqns.append(eqn)
+    return graph.replace(eqns=tuple(eqns))
+
+
+def _with_outputs(eqn: Eqn, keep: list[int]) -> Eqn:
+    def pruned(body: Graph) -> Graph:
+        return dce(body.replace(outputs=tuple(body.outputs[k] for k in keep),
+                                output_roles=tuple(body.output_roles[k] for k in keep)))
+
+    if eqn.op == "scan":
+        params = {**eqn.params, "body": pruned(eqn.params["body"])}
+    else:
+        params = {**eqn.params, "branches": tuple(pruned(b) for b in eqn.params["branches"])}
+    return dataclasses.replace(eqn, params=params, outputs=tuple(eqn.outputs[k] for k in keep))
 
 
 def _policy_label(policy):
     return None if policy is None else policies.policy_name(policy)
 
 
-def _with_whole_forward_region(graph: Graph, policy) -> Graph:
+def with_whole_forward_region(graph: Graph, policy) -> Graph:
     """The graph with one more outermost region, with `policy`, holding every forward eqn."""
     whole = max((r.id for r in graph.regions), default=-1) + 1
     regions = (Region(whole, None, policy, True, "remat(policy=...)"),) + tuple(
@@ -119,6 +156,26 @@ def _with_whole_forward_region(graph: Graph, policy) -> Graph:
     eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions)
                  if is_forward(e) and e.op not in LOOPS else e for e in graph.eqns)
     return graph.replace(eqns=eqns, regions=regions)
+
+
+def small_constants(forward) -> set[Eqn]:
+    """Eqns computing from literals alone a value no larger than those literals (`sin(2.0)`, a
+    table derived from a closed-over table): computed once and kept. A constant that grows its
+    literals (a broadcast fill, an iota, or math on them) is cheaper to regenerate than to keep."""
+    from jgraph.memory import nbytes
+
+    source: dict[Var, int] = {}  # constant var -> bytes of the largest literal it comes from
+    small = set()
+    for eqn in forward:
+        if eqn.op in NEVER_RECOMPUTED or not all(isinstance(a, Literal) or a in source
+                                                 for a in eqn.inputs):
+            continue
+        size = max([nbytes(a.aval) if isinstance(a, Literal) else source[a] for a in eqn.inputs],
+                   default=0)
+        source.update((v, size) for v in eqn.outputs)
+        if sum(nbytes(v.aval) for v in eqn.outputs) <= max(size, SMALL_CONSTANT_BYTES):
+            small.add(eqn)
+    return small
 
 
 class _Planner:
@@ -144,7 +201,11 @@ class _Planner:
             if isinstance(a, Var) and a in self.producer:
                 self.crosses.update((a, r) for r in self.producer[a].regions)
         refused = self._refused_by_name(forward)
+        constants = small_constants(forward)
         for eqn in forward:  # saved by the region's policy
+            if eqn in constants:  # a constant of the step: computed once
+                self.crosses.update((v, r) for v in eqn.outputs for r in eqn.regions)
+                continue
             for r in eqn.regions:
                 policy = self.regions[r].policy
                 if eqn.op in NEVER_RECOMPUTED or (
