@@ -28,7 +28,7 @@ Recompute is demand driven: a copy is emitted just before the first eqn that rea
 is recomputed that no backward eqn reads. Copies are tagged `recompute` (and `no_cse` when the
 region asks for CSE prevention, as `jax.checkpoint` does by default; `jgraph.lower` then protects
 them from XLA's CSE). Random values are replayed: a copy of `random_bits` reads the same key.
-`remat(graph, budget=bytes)` instead plans segment regions itself (`remat_under_budget`).
+`remat(graph, budget=...)` instead plans its own regions (`jgraph.planner`).
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ def is_forward(eqn: Eqn) -> bool:
     return not ({"backward", "recompute"} & eqn.tags)
 
 
-def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
+def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto") -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
-    `budget=` (bytes) plans regions itself instead (see `remat_under_budget`)."""
+    `budget=` (bytes of the compiled donated step's temp, or a percentage string such as "50%"
+    of no remat's) plans regions itself instead, with `planner` "auto", "exact" or "fast"
+    (`jgraph.planner`)."""
     validate(graph, "jg.remat")
     if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
@@ -63,7 +65,12 @@ def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
     if budget is not None:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
-        return remat_under_budget(graph, budget)
+        from jgraph.planner import remat_under_budget
+
+        return remat_under_budget(graph, budget, planner)
+    if planner != "auto":
+        raise TransformError(f"remat(planner={planner!r}) chooses how a budget is planned: give "
+                             "budget= too")
     if policy is not None and _loops(graph):
         graph = _with_policy_in_loops(graph, policy)
     return apply_regions(graph, policy)
@@ -287,79 +294,7 @@ class _Planner:
         return copy
 
 
-# -- automatic planning under a memory budget ------------------------------------------------------
-SEGMENT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-
-
-def remat_under_budget(graph: Graph, budget: int) -> Graph:
-    """The plan with the fewest recomputed eqns whose `jgraph.memory` peak fits in `budget` bytes.
-
-    Candidates: no remat, then the forward schedule cut into k contiguous segments of about equal
-    activation bytes, each a region that saves nothing (classic sqrt(N) checkpointing at k ~
-    sqrt(N)); for a graph with loops, each of those again with loop bodies that save nothing
-    but their inputs (`nothing_saveable` inside the loops). Regions recorded while tracing are
-    replaced. The cost of a plan counts a loop body's recomputed eqns once per iteration. No
-    remat is chosen whenever it fits, so a plan never uses more memory than no remat. Raises
-    TransformError when nothing fits.
-    """
-    from jgraph.memory import memory
-
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
-        raise TransformError(f"remat(budget={budget!r}): the budget is a non-negative number of "
-                             "bytes (e.g. 8 * 2**20)")
-    bases = {"loops as traced": _without_regions(graph)}
-    if _loops(graph) and "backward_of" in graph.info:
-        bases["loop bodies recomputed"] = _without_regions(
-            _with_policy_in_loops(graph, policies.nothing_saveable))
-    best, peaks = None, {}
-    for loops, plain in bases.items():
-        forward = [e for e in plain.eqns if is_forward(e)]
-        for k in (0,) + tuple(n for n in SEGMENT_COUNTS if n <= len(forward)):
-            candidate = plain if k == 0 else apply_regions(_segmented(plain, forward, k))
-            peak = memory(candidate).peak_bytes
-            peaks[loops, k] = peak
-            cost = recompute_cost(candidate)
-            if peak <= budget and (best is None or cost < best[0]):
-                best = (cost, (loops, k), candidate)
-    if best is None:
-        key = min(peaks, key=peaks.get)
-        raise TransformError(
-            f"remat(budget={budget}): no plan fits; the smallest estimated peak is "
-            f"{peaks[key]} bytes ({key[1]} segments, {key[0]}; no remat: "
-            f"{peaks['loops as traced', 0]} bytes)")
-    _, (loops, k), chosen = best
-    info = dict(chosen.info, remat=dict(chosen.info.get("remat", {}), budget=budget, segments=k,
-                                        loops=loops, peak_bytes=peaks[loops, k]))
-    return chosen.replace(info=info)
-
-
-def recompute_cost(graph: Graph) -> int:
-    """Recomputed eqns per step: a scan body's count once per iteration, a cond's largest."""
-    cost = 0
-    for e in graph.eqns:
-        cost += "recompute" in e.tags
-        if e.op == "scan":
-            cost += e.params["length"] * recompute_cost(e.params["body"])
-        elif e.op == "cond":
-            cost += max(recompute_cost(b) for b in e.params["branches"])
-    return cost
-
-
-def _without_regions(graph: Graph) -> Graph:
+def without_regions(graph: Graph) -> Graph:
+    """`graph` with no checkpoint regions (a planner's starting point)."""
     eqns = tuple(dataclasses.replace(e, regions=()) if e.regions else e for e in graph.eqns)
     return graph.replace(eqns=eqns, regions=())
-
-
-def _segmented(graph: Graph, forward: list[Eqn], k: int) -> Graph:
-    """`graph` with its forward cut into `k` regions of about equal output bytes."""
-    from jgraph.memory import nbytes
-
-    sizes = [sum(nbytes(v.aval) for v in e.outputs) for e in forward]
-    total, running, segment = max(sum(sizes), 1), 0, {}
-    for eqn, size in zip(forward, sizes, strict=True):
-        segment[eqn] = min(k - 1, running * k // total)
-        running += size
-    regions = tuple(Region(i, None, None, True, f"segment {i}") for i in range(k))
-    eqns = tuple(dataclasses.replace(e, regions=(segment[e],)) if e in segment else e
-                 for e in graph.eqns)
-    return graph.replace(eqns=eqns, regions=regions)
