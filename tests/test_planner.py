@@ -194,3 +194,38 @@ def test_a_split_scan_is_bitwise_under_evaluate():
     gr = jg.remat(gb, budget=per_layer - 1, planner="fast")
     assert "split" in gr.info["remat"]["plan"]
     assert_same_gradients(gb, gr, fn, args)
+
+
+def residual_blocks(n=6, width=32, hidden=128, batch=64):
+    keys = jax.random.split(jax.random.PRNGKey(5), 2 * n + 1)
+    ps = [(jax.random.normal(keys[2 * i], (width, hidden), F32) * width**-0.5,
+           jax.random.normal(keys[2 * i + 1], (hidden, width), F32) * hidden**-0.5)
+          for i in range(n)]
+
+    def loss(ps, h):
+        for w1, w2 in ps:
+            h = h + jnp.tanh(h @ w1) @ w2
+        return jnp.mean(h * h)
+
+    return loss, (ps, jax.random.normal(keys[-1], (batch, width), F32))
+
+
+def test_the_exact_planner_solves_its_milp_and_fits():
+    fn, args = residual_blocks()
+    gb = joint(fn, *args)
+    gr = jg.remat(gb, budget="60%", planner="exact")
+    report = gr.info["remat"]
+    assert report["used"] == "exact" and report["milp"].startswith(("MILP", "no cheaper plan"))
+    assert jg.compiled_memory(gr, *args).temp_bytes <= report["budget"]
+    fast_plan = jg.remat(gb, budget="60%", planner="fast").info["remat"]
+    assert report["recompute_flops"] <= fast_plan["recompute_flops"] * (1 + 1e-6)
+    assert_same_gradients(gb, gr, fn, args)
+
+
+def test_auto_plans_small_graphs_exactly_and_large_ones_fast():
+    fn, args = residual_blocks(n=3)
+    assert jg.remat(joint(fn, *args), budget="70%").info["remat"]["used"] == "exact"
+    fn, args = chain(layers=120, width=16, batch=64)
+    gb = joint(fn, *args)
+    assert len(gb.eqns) > 500
+    assert jg.remat(gb, budget="70%").info["remat"]["used"] == "fast"

@@ -131,12 +131,14 @@ class Stage:
         kept = [v for v in self.values if v in keep and v not in self.boundary_out
                 and (v in f.residuals or v in read)]
         whole = [v for v in self.values if v in f.residuals and v not in self.boundary_out]
+        # Its output boundary is held while the later stages run, and read by its backward.
+        held = {v for v in self.boundary_out if v in mine and v in f.residuals}
         return StageCost(
             advance=sum(f.cost[k] for k in {f.producer[v] for v in advance}),
             leaf=sum(f.cost[k] for k in {f.producer[v] for v in needed}),
-            leaf_peak=self._peak(needed | set(kept), needed),
+            leaf_peak=self._peak(needed | set(kept) | held, needed),
             kept_bytes=sum(nbytes(v.aval) for v in kept),
-            whole_peak=self._peak(set(whole), set()),
+            whole_peak=self._peak(set(whole) | held, set()),
             whole_bytes=sum(nbytes(v.aval) for v in whole))
 
     def _peak(self, alive: set, recomputed: set) -> int:

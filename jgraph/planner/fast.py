@@ -37,8 +37,10 @@ from jgraph.planner.plan import Plan, Segment
 UNITS = 256
 MAX_UNITS = 1024
 # Keep sets: the values whose recompute costs more flops per byte than the threshold.
-THRESHOLDS = {"keep nothing": math.inf, "keep contractions": 16.0,
-              "keep all but fused elementwise": 0.1, "keep everything": -1.0}
+# A contraction over K elements costs K/2 flops per byte of its f32 output, a memory-bound op
+# about half a flop, a transcendental 0.05, a fused elementwise op 0.0125 (`cost`).
+THRESHOLDS = {"keep nothing": math.inf, "keep contractions": 0.75,
+              "keep all but fused elementwise": 0.02, "keep everything": -1.0}
 
 
 def keep_sets(stages: list[Stage]) -> dict[str, frozenset]:

@@ -16,6 +16,9 @@
    returned only when XLA's temp is within the budget: never one above no remat.
 6. Before giving up, each mode's plan needing the least memory is compiled; if none fits, a
    TransformError states the smallest temp a plan reaches and that plan.
+7. The exact planner then solves its MILP at the model budget of the plan found, for a cheaper
+   plan (per-stage keep sets, no memory discretization), within what is left of its time limit;
+   a cheaper plan that fits XLA's budget replaces it (`info["remat"]["milp"]` says what happened).
 
 `graph.info["remat"]` reports the planner, the budget, the estimate, XLA's temp (and no remat's),
 the retries, the recompute flops, the plan and the seconds it took.
@@ -152,8 +155,32 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
     if not fits:
         raise _unreachable(target, no_remat, tried)
     _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
+    if used == "exact":
+        exact = _exactly(by_mode[plan.base], plan, target, tried, started)
+        report["milp"] = exact[0]
+        if exact[1] is not None:
+            plan, candidate, estimate, temp = exact[1]
     return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
                      len(tried) - 1, recompute_flops(candidate), started)
+
+
+def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: float):
+    """(what the MILP did, (plan, graph, estimate, XLA temp) or None): the MILP's plan within
+    the model budget `plan` was found at, cheaper than `plan`, if it fits XLA's budget too."""
+    from jgraph.planner.exact import TIME_LIMIT
+
+    seconds = max(TIME_LIMIT - (time.perf_counter() - started), 5.0)
+    exact = problem.planner.solve(plan.peak, bound=plan.cost * (1 - 1e-6), seconds=seconds)
+    if exact is None:
+        return f"no cheaper plan than the chain DP's within {seconds:.0f} s", None
+    exact = dataclasses.replace(exact, base=plan.base)
+    candidate = problem.build(exact)
+    estimate = memory(candidate).peak_bytes
+    if exact.describe() not in tried:
+        tried[exact.describe()] = xla_temp(candidate)
+    if tried[exact.describe()] > target:
+        return f"{exact.label}: its plan exceeds the budget on XLA", None
+    return exact.label, (exact, candidate, estimate, tried[exact.describe()])
 
 
 def _used(planner: str, by_mode: dict) -> str:
