@@ -59,6 +59,13 @@ def test_binomial_formula_is_revolves_optimum(steps, slots):
     assert fast.binomial_recompute(steps, slots) == revolve(steps, slots)
 
 
+@pytest.fixture
+def flops_only(monkeypatch):
+    """Plans costed by recompute flops alone (Revolve's model): no memory traffic term."""
+    monkeypatch.setattr(fast, "KEPT_BYTE_COST", 0.0)
+    monkeypatch.setattr(exact, "KEPT_BYTE_COST", 0.0)
+
+
 class _Stage:
     def __init__(self, out_bytes):
         self.out_bytes = out_bytes
@@ -74,7 +81,7 @@ def uniform_chain(steps, size=1 << 20):
 
 
 @pytest.mark.parametrize("steps,slots", [(8, 2), (16, 3), (32, 3), (32, 4), (20, 2), (64, 5)])
-def test_the_chain_dp_reaches_the_binomial_optimum(steps, slots):
+def test_the_chain_dp_reaches_the_binomial_optimum(steps, slots, flops_only):
     """The forward sweep is free in the DP (the forward runs anyway): its recompute is Revolve's
     count less the steps - 1 of the first sweep, exactly (the bar: within 10%)."""
     stages, costs = uniform_chain(steps)
@@ -84,7 +91,7 @@ def test_the_chain_dp_reaches_the_binomial_optimum(steps, slots):
 
 
 @pytest.mark.parametrize("steps,slots", [(8, 2), (10, 3), (12, 2)])
-def test_the_milp_reaches_the_binomial_optimum(steps, slots):
+def test_the_milp_reaches_the_binomial_optimum(steps, slots, flops_only):
     stages, costs = uniform_chain(steps)
     modes = [[(frozenset(), c)] for c in costs]
     plan = exact._Milp(stages, modes, slots << 20).solve(seconds=60)
@@ -92,7 +99,7 @@ def test_the_milp_reaches_the_binomial_optimum(steps, slots):
     assert round(plan.cost) == fast.binomial_recompute(steps, slots) - (steps - 1)
 
 
-def test_a_planned_tanh_chain_recomputes_what_the_model_counts():
+def test_a_planned_tanh_chain_recomputes_what_the_model_counts(flops_only):
     """On a real chain the DP's cost is the flops of the recompute eqns of the graph it builds:
     the recompute count of the plan is the model's (hence binomial on a uniform chain)."""
     fn, args = tanh_chain(12)
@@ -169,7 +176,7 @@ def residual_blocks(n=6, width=16, hidden=64, batch=32):
     return loss, (ps, jnp.ones((batch, width), F32))
 
 
-def test_the_milp_is_optimal_and_no_costlier_than_the_dp():
+def test_the_milp_is_optimal_and_no_costlier_than_the_dp():  # traffic costs included
     """Per-stage keep sets (the DP has one for all stages) and no memory discretization: the
     MILP's plan costs at most the DP's at every budget, and fits the model's budget."""
     fn, args = residual_blocks()

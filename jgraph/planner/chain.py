@@ -31,6 +31,7 @@ from jgraph.memory import nbytes
 from jgraph.planner.cost import eqn_cost
 
 MAX_STAGES = 64
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims"})  # a new shape of the same buffer
 
 
 def is_forward(eqn: Eqn) -> bool:
@@ -56,9 +57,14 @@ class Forward:
         self.reads, self.base = self._backward_profile()
 
     def _constants(self) -> set[Var]:
+        """Values no plan needs to decide about: computed from literals alone, or a view of the
+        graph's inputs (a reshape of a param: XLA aliases it, it is no buffer of its own, and
+        recomputing it would copy the param). Plans keep them."""
         constant: set[Var] = set()
+        inputs = set(self.graph.inputs)
         for e in self.eqns:
-            if all(isinstance(a, Literal) or a in constant for a in e.inputs):
+            if all(isinstance(a, Literal) or a in constant for a in e.inputs) or (
+                    e.op in VIEWS and all(a in inputs or a in constant for a in e.inputs)):
                 constant.update(e.outputs)
         return constant
 

@@ -12,7 +12,11 @@ Recompute cost is counted in flop-equivalents per run of the eqn:
   op's inputs instead of a stored result (PyTorch's min-cut insight). It costs
   `FUSED_PER_ELEMENT` per output element, so that moderate budgets are met at no slowdown.
 
-Keeping a value costs its bytes (`jgraph.memory.nbytes`) for as long as it is kept.
+Keeping a value costs its bytes (`jgraph.memory.nbytes`) for as long as it is kept, and memory
+traffic: a value kept from the forward to the backward is written out and read back, where a
+value recomputed just before its reader is often still in cache. `KEPT_BYTE_COST` flop-equivalents
+per byte kept (the machine's balance of flops to bandwidth; on XLA:CPU a large temp also costs
+page faults: on the planner benchmark's models a kept byte costs about as much as 64 flops).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "log
                             "cos", "tan", "erf", "erf_inv", "pow", "atan2", "sqrt", "rsqrt",
                             "lgamma", "digamma"})
 FUSED_PER_ELEMENT = 0.05  # a fused elementwise op: a twentieth of a flop per element
+KEPT_BYTE_COST = 64.0  # flop-equivalents per byte kept from the forward to the backward
 TRANSCENDENTAL_PER_ELEMENT = 0.2
 
 

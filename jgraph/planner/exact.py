@@ -19,12 +19,14 @@ H[t, j] >= S[t, j], S[t-1, j], and H[t, t] >= R[t, t]; and at every step t
     sum_j b_j H[t, j] + sum_{j<t, k} kept[j, k] y[j, k] + sum_k peak[t, k] y[t, k] <= budget
 
 with `peak` the stage's backward peak in that mode (`jgraph.planner.chain.Stage.measure`).
-Objective: sum advance[j-1, k] A[t, j, k] + sum leaf[t, k] y[t, k] (+ a tie-breaking epsilon
-per held or computed boundary). In an optimum, the boundaries each step computes form a run from
-the highest held one, and the runs nest: the solution reads back as nested segments (`_segments`),
-the plan space of `jgraph.planner.fast`, where the modes are a global keep set instead of one per
-stage. The MILP is exact for the chain model (no memory discretization) and stops at
-`TIME_LIMIT` seconds with the best plan found. `small_enough`: what `planner="auto"` solves here.
+Objective: sum advance[j-1, k] A[t, j, k] + sum (leaf[t, k] + c kept[t, k]) y[t, k] +
+sum c b_j S[S-1, j], with c the memory traffic of a byte kept from the forward to the backward
+(`jgraph.planner.cost.KEPT_BYTE_COST`), plus a tie-breaking epsilon per held or computed
+boundary. In an optimum, the boundaries each step computes form a run from the highest held one,
+and the runs nest: the solution reads back as nested segments (`_segments`), the plan space of
+`jgraph.planner.fast`, where the modes are a global keep set instead of one per stage. The MILP
+is exact for the chain model (no memory discretization) and stops at `TIME_LIMIT` seconds with
+the best plan found. `small_enough`: what `planner="auto"` solves here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import LinearConstraint, milp
 
+from jgraph.planner.cost import KEPT_BYTE_COST
 from jgraph.planner.fast import FastPlanner, keep_sets
 from jgraph.planner.plan import Plan, Segment
 
@@ -84,11 +87,13 @@ class _Milp:
         self.cost: list[float] = []
         self.kind: list[int] = []  # 1: integer (binary), 0: continuous in [0, 1]
         S = len(stages)
-        self.y = {(t, k): self._var(c.leaf, 1) for t in range(S)
-                  for k, (_, c) in enumerate(modes[t])}
+        self.y = {(t, k): self._var(c.leaf + KEPT_BYTE_COST * c.kept_bytes, 1)
+                  for t in range(S) for k, (_, c) in enumerate(modes[t])}
         scale = max((c.leaf + c.advance for m in modes for _, c in m), default=1.0) or 1.0
-        self.S = {(t, j): self._var(EPSILON * scale, 1) for t in range(S)
-                  for j in range(1, t + 1)}
+        # The boundaries the forward keeps cost their traffic; the others a tie-break.
+        self.S = {(t, j): self._var(EPSILON * scale + (
+            KEPT_BYTE_COST * stages[j - 1].out_bytes if t == S - 1 else 0.0), 1)
+            for t in range(S) for j in range(1, t + 1)}
         self.R = {(t, j): self._var(EPSILON * scale, 1) for t in range(S)
                   for j in range(1, t + 1)}
         self.H = {(t, j): self._var(0.0, 0) for t in range(S) for j in range(1, t + 1)}
@@ -159,7 +164,8 @@ class _Milp:
         segments = _segments(S, lambda t, j: x[Sv[t, j]], lambda t, j: x[R[t, j]],
                              [self.modes[t][mode[t]][1] for t in range(S)])
         cost = sum(self.cost[i] * x[i] for i in self.y.values()) + sum(
-            self.cost[i] * round(result.x[i], 6) for i in self.A.values())
+            self.cost[i] * round(result.x[i], 6) for i in self.A.values()) + sum(
+            KEPT_BYTE_COST * self.stages[j - 1].out_bytes * x[Sv[S - 1, j]] for j in range(1, S))
         how = "MILP, optimal" if result.status == 0 else (
             f"MILP, time limit (gap {getattr(result, 'mip_gap', float('nan')):.1%})")
         return Plan(keep, segments, cost, int(self.budget), how)

@@ -20,7 +20,8 @@ stages of different costs and sizes (as Beaumont et al.'s Rotor does), over jgra
 
 with memory counted in `UNITS` steps of the budget (rounded up: the DP never under-counts). On a
 chain of equal stages it reaches Revolve's binomial optimum (`binomial_recompute`). Its cost is
-O(S^3 x UNITS) for S stages (at most `jgraph.planner.chain.MAX_STAGES`).
+O(S^3 x UNITS) for S stages (at most `jgraph.planner.chain.MAX_STAGES`). A plan's cost is its
+recompute flops plus the memory traffic of what the forward keeps for the backward (`cost`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from jgraph.memory import nbytes
 from jgraph.planner.chain import Stage, StageCost
-from jgraph.planner.cost import eqn_cost
+from jgraph.planner.cost import KEPT_BYTE_COST, eqn_cost
 from jgraph.planner.plan import Plan, Segment
 
 UNITS = 256
@@ -71,6 +72,7 @@ class ChainDP:
         self.unit, self.K = _units(stages, costs, budget)
         up = self._units
         self.b = [up(s.out_bytes) for s in stages]  # boundary after stage j
+        self.boundary_cost = [KEPT_BYTE_COST * s.out_bytes for s in stages]
         # Kept values of the earlier stages are held while a stage's backward runs.
         before = np.concatenate([[0], np.cumsum([c.kept_bytes for c in costs])[:-1]])
         self.leaf_need = [up(k + c.leaf_peak) for c, k in zip(costs, before, strict=True)]
@@ -81,8 +83,11 @@ class ChainDP:
         self.opt = [[None] * (S + 1) for _ in range(S + 1)]
         self.choice = [[None] * (S + 1) for _ in range(S + 1)]
         m = np.arange(self.K + 1)
+        # What a stage costs as a leaf: its recompute, and the traffic of what it keeps.
+        self.leaf_cost = [c.leaf + KEPT_BYTE_COST * c.kept_bytes for c in costs]
+        self.whole_cost = [KEPT_BYTE_COST * max(c.whole_bytes, c.kept_bytes) for c in costs]
         for s in range(S):
-            self.opt[s][s + 1] = np.where(m >= self.leaf_need[s], costs[s].leaf, np.inf)
+            self.opt[s][s + 1] = np.where(m >= self.leaf_need[s], self.leaf_cost[s], np.inf)
         for span in range(2, S + 1):
             for s in range(S - span + 1):
                 self._segment(s, s + span)
@@ -119,13 +124,16 @@ class ChainDP:
             # stage s kept whole: its values held while the later stages' backward runs (and
             # its kept values, which the later stages' needs count already)
             held = self.whole_held[s] + (self.b[s] if s + 1 < S else 0)
-            best = np.where(m >= self.whole_need[s], self._shift(self.root[s + 1], held), np.inf)
+            kept = self.whole_cost[s] + (self.boundary_cost[s] if s + 1 < S else 0)
+            best = np.where(m >= self.whole_need[s],
+                            kept + self._shift(self.root[s + 1], held), np.inf)
             arg = np.full(self.K + 1, -1)  # -1: kept whole
             for u in range(s + 1, S + 1):
                 if u == S:
                     cand = self.opt[s][S]
-                else:
-                    cand = self._shift(self.root[u], self.b[u - 1]) + self.opt[s][u]
+                else:  # a boundary the forward keeps until the backward
+                    cand = (self.boundary_cost[u - 1] + self._shift(self.root[u], self.b[u - 1])
+                            + self.opt[s][u])
                 better = cand < best
                 best = np.where(better, cand, best)
                 arg = np.where(better, u, arg)

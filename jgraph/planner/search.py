@@ -21,7 +21,8 @@
    a cheaper plan that fits XLA's budget replaces it (`info["remat"]["milp"]` says what happened).
 
 `graph.info["remat"]` reports the planner, the budget, the estimate, XLA's temp (and no remat's),
-the retries, the recompute flops, the plan and the seconds it took.
+the retries, the recompute flops, the plan, the seconds planning took and (apart) the seconds
+XLA took to compile the plans it checked.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import time
 from jgraph.errors import TransformError
 from jgraph.ir import Graph
 from jgraph.memory import memory
-from jgraph.planner import fast, loops
+from jgraph.planner import fast, loops, validate
 from jgraph.planner.chain import Forward, stages
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.plan import Plan, with_regions
-from jgraph.planner.validate import parse_budget, xla_temp
+from jgraph.planner.validate import parse_budget
 
 PLANNERS = ("auto", "exact", "fast")
 ESTIMATE_ROUNDS = 6
@@ -54,18 +55,21 @@ class Problem:
     stage_eqns: list
     base: str
     planner: object = None  # the FastPlanner (or exact planner) set up for this problem
+    base_cost: float = 0.0  # what the loop mode recomputes itself, inside loop bodies
 
     @classmethod
     def of(cls, graph: Graph, base: str = "loops as traced") -> Problem:
         forward = Forward(graph)
         cut = stages(forward)
-        return cls(graph, forward, cut, [forward.eqns[s.start:s.stop] for s in cut], base)
+        return cls(graph, forward, cut, [forward.eqns[s.start:s.stop] for s in cut], base,
+                   base_cost=recompute_flops(graph))
 
     def build(self, plan: Plan) -> Graph:
         from jgraph.remat import apply_regions
 
         if not plan.segments:
             return self.graph
+        plan = dataclasses.replace(plan, keep=plan.keep | self.forward.constants)
         return apply_regions(with_regions(self.graph, self.stage_eqns, plan))
 
 
@@ -90,7 +94,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
     """See the module docstring."""
     from jgraph.remat import without_regions
 
-    started = time.perf_counter()
+    started, validate.seconds = time.perf_counter(), 0.0
     if planner not in PLANNERS:
         raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
     kind, amount = parse_budget(budget)
@@ -170,10 +174,11 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
     from jgraph.planner.exact import TIME_LIMIT
 
     seconds = max(TIME_LIMIT - (time.perf_counter() - started), 5.0)
-    exact = problem.planner.solve(plan.peak, bound=plan.cost * (1 - 1e-6), seconds=seconds)
+    own = plan.cost - problem.base_cost  # what the MILP's objective counts
+    exact = problem.planner.solve(plan.peak, bound=own * (1 - 1e-6), seconds=seconds)
     if exact is None:
         return f"no cheaper plan than the chain DP's within {seconds:.0f} s", None
-    exact = dataclasses.replace(exact, base=plan.base)
+    exact = dataclasses.replace(exact, base=plan.base, cost=exact.cost + problem.base_cost)
     candidate = problem.build(exact)
     estimate = memory(candidate).peak_bytes
     if exact.describe() not in tried:
@@ -221,7 +226,7 @@ def cheapest(by_mode: dict, budgets: dict, planner: str) -> Plan | None:
     found = []
     for mode, problem in by_mode.items():
         if budgets[mode] > 0:
-            found += [dataclasses.replace(p, base=mode)
+            found += [dataclasses.replace(p, base=mode, cost=p.cost + problem.base_cost)
                       for p in problem.planner.plans(budgets[mode])]
     return min(found, key=lambda p: (p.cost, -len(p.keep)), default=None)
 
@@ -232,7 +237,7 @@ def _smallest_plans(by_mode: dict, tried: dict):
     for mode, problem in by_mode.items():
         least = fast.FastPlanner(problem.stages, memory(problem.graph).peak_bytes).smallest()
         if least is not None:
-            plan = dataclasses.replace(least[1], base=mode)
+            plan = dataclasses.replace(least[1], base=mode, cost=least[1].cost + problem.base_cost)
             candidate = problem.build(plan)
             if plan.describe() not in tried:
                 tried[plan.describe()] = xla_temp(candidate)
@@ -252,10 +257,20 @@ def _unreachable(target: int, no_remat: int, tried: dict) -> TransformError:
         f"is {how} (no remat: {no_remat} bytes)")
 
 
+def xla_temp(graph: Graph) -> int:
+    """XLA's temp for `graph`, its compile time counted apart from the planning's."""
+    started = time.perf_counter()
+    try:
+        return validate.xla_temp(graph)
+    finally:
+        validate.seconds += time.perf_counter() - started
+
+
 def _reported(graph: Graph, report: dict, plan: str, estimate: int, temp: int, retries: int,
               flops: float, started: float) -> Graph:
     info = dict(graph.info, remat=dict(
         graph.info.get("remat", {}), **report, plan=plan, estimated_peak=estimate,
         xla_temp=temp, retries=retries, recompute_flops=flops,
-        planning_seconds=time.perf_counter() - started))
+        planning_seconds=time.perf_counter() - started - validate.seconds,
+        xla_seconds=validate.seconds))
     return graph.replace(info=info)

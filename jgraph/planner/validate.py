@@ -17,6 +17,7 @@ from jgraph.errors import TransformError
 from jgraph.ir import Graph
 from jgraph.memory import STATE_ROLES, donated_step
 
+seconds = 0.0  # compile seconds of the current planning (`jgraph.planner.search` resets it)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
 
