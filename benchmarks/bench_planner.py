@@ -15,7 +15,8 @@ For each model and each budget (25%, 50%, 75% of the no-remat compiled donated t
   remat alive on XLA:CPU), timed against JAX's no-remat step there; here the plans are timed
   against the same JAX no-remat step (no barriers: the flag does not change it), interleaved,
   medians; the ratio is (plan / JAX no remat) / (arrangement / JAX no remat);
-- the planning time, and apart from it the seconds spent compiling plans to check them.
+- the planning time, and apart from it the seconds spent compiling plans to check them; and a
+  last line: the fast planner's time on a 10k-eqn graph (a 1000-layer chain).
 
 The frontier figure (`--plot PATH`, matplotlib): per model, the recompute flops (XLA's
 `cost_analysis` of the step, less no remat's) against the compiled temp, for budgets from the
@@ -294,6 +295,27 @@ def frontier(no_temp, no_flops, gb, args, points):
     return sorted(found)
 
 
+def long_chain(layers=1000, width=16, batch=64):
+    """A 10k-eqn joint graph: a tanh chain of 1000 layers (the fast planner's time bar)."""
+    ws = [jnp.full((width, width), 0.01, jnp.float32) for _ in range(layers)]
+
+    def loss(ws, h):
+        for w in ws:
+            h = jnp.tanh(h @ w + 1.0)
+        return jnp.sum(h)
+
+    return jg.backward(jg.trace(loss, ws, jnp.ones((batch, width)), param_argnums=0))
+
+
+def planning_time() -> str:
+    gb = long_chain()
+    report = jg.remat(gb, budget="50%", planner="fast").info["remat"]
+    return (f"fast planner on a {len(gb.eqns)}-eqn graph at 50%: planning "
+            f"{report['planning_seconds']:.1f} s (+ {report['xla_seconds']:.1f} s compiling "
+            f"{report['retries'] + 2} steps to check them), temp {report['xla_temp'] / MIB:.2f}"
+            f"/{report['budget'] / MIB:.2f} MiB")
+
+
 def best_fitting(arrangements: dict, budget: int):
     fitting = {k: v for k, v in arrangements.items() if v["temp"] <= budget}
     if not fitting:
@@ -398,6 +420,7 @@ def main(argv=None):
         return
     table, figure = run(args.models or list(models()), args.quick, args.plot)
     print("\n".join(format_rows(table)))
+    print(planning_time())
     if args.plot:
         draw(figure, args.plot)
         print(f"frontier: {args.plot}")

@@ -40,8 +40,9 @@ MAX_UNITS = 1024
 # Keep sets: the values whose recompute costs more flops per byte than the threshold.
 # A contraction over K elements costs K/2 flops per byte of its f32 output, a memory-bound op
 # about half a flop, a transcendental 0.05, a fused elementwise op 0.0125 (`cost`).
-THRESHOLDS = {"keep nothing": math.inf, "keep contractions": 0.75,
-              "keep all but fused elementwise": 0.02, "keep everything": -1.0}
+THRESHOLDS = {"keep nothing": math.inf, "keep contractions over 64 elements": 32.0,
+              "keep contractions": 0.75, "keep all but fused elementwise": 0.02,
+              "keep everything": -1.0}
 
 
 def keep_sets(stages: list[Stage]) -> dict[str, frozenset]:
