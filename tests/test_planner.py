@@ -187,7 +187,7 @@ def test_a_scanned_model_fits_a_budget_per_layer_checkpointing_cannot_reach():
 
 @pytest.mark.slow
 def test_a_split_scan_is_bitwise_under_evaluate():
-    fn, args = scanned(16, batch=8)
+    fn, args = scanned(16, width=16, batch=256)
     gb = joint(fn, *args)
     per_layer = jg.compiled_memory(jg.remat(gb, policy=jg.policies.nothing_saveable),
                                    *args).temp_bytes
