@@ -43,7 +43,12 @@ class Forward:
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.eqns = [e for e in graph.eqns if is_forward(e)]
+        # The forward: the eqns before the backward's first. Untagged eqns after it (an
+        # optimizer step, accumulator updates) are no part of it: what they read is kept.
+        first = next((i for i, e in enumerate(graph.eqns) if not is_forward(e)),
+                     len(graph.eqns))
+        self.eqns = [e for e in graph.eqns[:first] if is_forward(e)]
+        tail = [e for e in graph.eqns[first:] if is_forward(e)]
         self.position = {e: k for k, e in enumerate(self.eqns)}
         self.producer: dict[Var, int] = {v: k for k, e in enumerate(self.eqns)
                                          for v in e.outputs}
@@ -52,7 +57,8 @@ class Forward:
         self.residuals = {a for e in graph.eqns if not is_forward(e) for a in e.inputs
                           if isinstance(a, Var) and a in self.producer
                           and a not in self.constants}
-        self.outputs = {a for a in graph.outputs if isinstance(a, Var)}
+        self.outputs = {a for a in graph.outputs if isinstance(a, Var)} | {
+            a for e in tail for a in e.inputs if isinstance(a, Var)}
         self.last_forward_read = self._last_forward_reads()
         self.reads, self.base = self._backward_profile()
 
@@ -83,6 +89,7 @@ class Forward:
         """({forward value: (first, last) schedule index of the backward eqns reading it};
         for each schedule index, bytes of backward-made values alive there)."""
         graph, made_by_forward = self.graph, set(self.producer)
+        final = {a for a in graph.outputs if isinstance(a, Var)}  # not intermediates
         last: dict[Var, int] = {}
         for i, e in enumerate(graph.eqns):
             for a in e.inputs:
@@ -96,7 +103,7 @@ class Forward:
                     if isinstance(a, Var) and a in made_by_forward:
                         reads[a] = (reads.get(a, (i, i))[0], i)
                 for v in e.outputs:
-                    if v not in self.outputs and last.get(v, i) > i:
+                    if v not in final and last.get(v, i) > i:
                         alive += nbytes(v.aval)
                         ending.setdefault(last[v], []).append(v)
             base.append(alive)
