@@ -87,9 +87,10 @@ def _computed_at(graph: Graph, atoms) -> str:
 def backward(graph: Graph, *, loop_policy=None) -> Graph:
     """The joint graph computing (loss[, aux]) and the gradients of the loss w.r.t. the params.
 
-    `loop_policy` (a remat policy) is applied inside the bodies of loops and conds, on top of
-    their own checkpoint regions; `jg.remat(gb, policy=...)` re-derives `gb` with it, so that a
-    policy sees through loops. The result records its forward graph as `info["backward_of"]`."""
+    `loop_policy` (a remat policy, or a tuple of them, outermost first) is applied inside the
+    bodies of loops and conds, on top of their own checkpoint regions; `jg.remat(gb, policy=...)`
+    re-derives `gb` with it, so that a policy sees through loops. The result records its forward
+    graph as `info["backward_of"]`."""
     validate(graph, "jg.backward")
     if "grad" in graph.output_roles:
         raise TransformError("backward: the graph already has grad outputs")
@@ -106,7 +107,9 @@ def backward(graph: Graph, *, loop_policy=None) -> Graph:
     if len(seeds) > 1:
         raise TransformError(f"backward: {len(seeds)} loss_seed inputs; a graph has at most one")
     seed, seed_eqns = _seed(loss, seeds)
-    grads, forward, eqns = _backward_eqns(graph, loss, params, seed, loop_policy)
+    loop_policies = loop_policy if isinstance(loop_policy, tuple) else (
+        () if loop_policy is None else (loop_policy,))
+    grads, forward, eqns = _backward_eqns(graph, loss, params, seed, loop_policies)
     eqns = seed_eqns + eqns
     joint = dce(graph.replace(
         eqns=forward + eqns,
@@ -132,13 +135,20 @@ def _seed(loss, seeds):
     return b.call(jnp.ones_like, loss)[0], tuple(b.eqns)
 
 
-def rederived(graph: Graph, loop_policy) -> Graph | None:
-    """`graph` (a result of `backward`) derived again with `loop_policy` in its loops, or None
-    when `graph` is no longer what `backward` returned."""
-    forward, eqns = graph.info.get("backward_of", (None, None))
-    if forward is None or eqns is not graph.eqns:
+def rederived(graph: Graph, loop_policy, forward: Graph | None = None) -> Graph | None:
+    """`graph` (a result of `backward`) derived again with `loop_policy` in its loops (from
+    `forward`, a rewrite of its forward graph, when given), or None when `graph` is no longer
+    what `backward` returned."""
+    original, eqns = graph.info.get("backward_of", (None, None))
+    if original is None or eqns is not graph.eqns:
         return None
-    return backward(forward, loop_policy=loop_policy)
+    return backward(original if forward is None else forward, loop_policy=loop_policy)
+
+
+def forward_of(graph: Graph) -> Graph | None:
+    """The forward graph `graph` was derived from by `backward` (None if it was changed since)."""
+    original, eqns = graph.info.get("backward_of", (None, None))
+    return original if original is not None and eqns is graph.eqns else None
 
 
 def _check_param_dtypes(graph: Graph, params) -> None:
@@ -153,17 +163,17 @@ def _check_param_dtypes(graph: Graph, params) -> None:
                 "in the param arguments.")
 
 
-def _backward_eqns(graph, loss, params, seed, loop_policy):
+def _backward_eqns(graph, loss, params, seed, loop_policies):
     """(grad atoms, forward eqns, backward eqns) of the loss w.r.t. `params`."""
     needs = needs_gradient(graph, loss)
     cts, forward, eqns = reverse_pass(graph, needs, [(loss, seed)] if loss in needs else [],
-                                      loop_policy)
+                                      loop_policies)
     b = Builder(tags={"backward"})
     grads = [cts.get(p) or b.call(jnp.zeros_like, p)[0] for p in params]  # unused: zeros
     return grads, forward, eqns + tuple(b.eqns)
 
 
-def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policy=None):
+def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policies=()):
     """The core of every backward: seed cotangents at some values (`(var, ct atom)` pairs, summed
     when a var has several, as an output listed twice has), walk the
     schedule in reverse and emit each eqn's VJP rule; return (cotangents of the graph's inputs and
@@ -172,7 +182,7 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policy=None):
     Control flow is first linearized (`jgraph.vjp.loops.linearize`): a loop or a cond on
     the gradient path is replaced in the forward by one that also returns the residuals its
     backward reads, so the forward eqns returned may differ from `graph.eqns`."""
-    forward, linearized = vjp.loops.linearize(graph, needs, loop_policy)
+    forward, linearized = vjp.loops.linearize(graph, needs, loop_policies)
     b = Builder(tags={"backward"})
     cts: dict[Var, object] = {}
 
@@ -200,7 +210,7 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policy=None):
     return cts, tuple(forward), tuple(b.eqns)
 
 
-def vjp_graph(graph: Graph, wrt, with_ct, loop_policy=None) -> Graph:
+def vjp_graph(graph: Graph, wrt, with_ct, loop_policies=()) -> Graph:
     """The joint graph of `graph`'s VJP (for loop bodies and branches).
 
     Inputs: `graph`'s inputs, then one cotangent per output marked in `with_ct`. Outputs:
@@ -212,7 +222,7 @@ def vjp_graph(graph: Graph, wrt, with_ct, loop_policy=None) -> Graph:
     sources = [v for v, w in zip(graph.inputs, wrt, strict=True) if w]
     needs = active_values(graph, sources) & useful_values(graph, targets)
     seeds = [(a, ct) for a, ct in zip(targets, ct_inputs, strict=True) if a in needs]
-    cts, forward, eqns = reverse_pass(graph, needs, seeds, loop_policy)
+    cts, forward, eqns = reverse_pass(graph, needs, seeds, loop_policies)
     b = Builder(tags={"backward"})
     grads = [cts.get(v) or b.call(jnp.zeros_like, v)[0] for v in sources]
     return graph.replace(

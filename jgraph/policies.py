@@ -56,6 +56,24 @@ def excluded_names(policy) -> frozenset[str]:
     return getattr(policy, "excluded_names", frozenset())
 
 
+@dataclass(frozen=True, eq=False)
+class SaveValues:
+    """The remat planner's policy: save exactly the values in `values` (variables of the graph
+    being planned, by identity), whatever their op. It names values, not ops, so it only means
+    something to `jg.remat` on that graph; `jax.checkpoint` cannot use it."""
+
+    values: frozenset  # of jgraph.ir.Var
+    label: str = "planned"  # how reports and printed regions name it
+
+    def __call__(self, prim, *_, **params):
+        raise TransformError("a planner's SaveValues policy chooses variables of one jgraph "
+                             "graph; it cannot answer for a JAX primitive")
+
+    @property
+    def __name__(self):
+        return f"{self.label}({len(self.values)} values saved)"
+
+
 @dataclass(frozen=True)
 class _OpStandIn:
     """What a policy sees as `prim` for jgraph's own ops, which are not JAX primitives."""
@@ -70,6 +88,8 @@ def saves(policy, eqn) -> bool:
     device). Any other answer (None, 0, a string) is an error, as in JAX, never read as 'save'."""
     if policy is None:
         return False
+    if isinstance(policy, SaveValues):
+        return any(v in policy.values for v in eqn.outputs)
     if not callable(policy):
         raise TransformError(f"remat policy {policy!r} is not callable; use one of "
                              "jg.policies (or a function (prim, *avals, **params) -> bool)")

@@ -7,22 +7,28 @@ of a region's inner values, copies recomputed from what the region keeps (DESIGN
 
 A value v produced inside region r *crosses* r (survives its end) iff v is read outside r (by a
 forward eqn or as a graph output), or r's policy saves v's producing eqn, or that op must not be
-run twice (stateful RNG). Region inputs and params are defined outside the region, so they are
-always at hand. Regions nest as in JAX: the *home* of v is the deepest region on its path that v
-does not cross. Values with no home are kept from the forward. A value whose home is region R is
-recomputed once, in R's recompute, from the values kept at R's level, which may themselves be
-recomputed copies of an enclosing region's recompute; while R is recomputed, a region nested in R
-again keeps only what crosses it, so recursive checkpointing gives logarithmic memory.
+run twice (stateful RNG), or v is a small constant computed from literals alone
+(`small_constants`: computed once, never recomputed). Region inputs and params are defined outside
+the region, so they are always at hand. Regions nest as in JAX: the *home* of v is the deepest
+region on its path that v does not cross. Values with no home are kept from the forward. A value
+whose home is region R is recomputed once, in R's recompute, from the values kept at R's level,
+which may themselves be recomputed copies of an enclosing region's recompute; while R is
+recomputed, a region nested in R again keeps only what crosses it, so recursive checkpointing
+gives logarithmic memory.
 
 Policies. A region's policy is asked about every forward eqn inside it, inner regions included;
 with `policy=`, one more region holds the whole forward. (JAX asks an outer policy about an inner
-`remat` as a whole, not about its eqns; for everything/nothing-saveable the two agree.)
+`remat` as a whole, not about its eqns; for everything/nothing-saveable the two agree.) A policy
+sees through loops: a region's policy that saves something inside a `scan` or `cond` was applied
+inside its bodies when `jgraph.backward` linearized it (`jgraph.vjp.loops.pushed_policies`), and the
+loop left the region; a region whose policy saves nothing inside recomputes the loop whole, and
+the copy computes only the outputs the backward reads.
 
 Recompute is demand driven: a copy is emitted just before the first eqn that reads it, so nothing
 is recomputed that no backward eqn reads. Copies are tagged `recompute` (and `no_cse` when the
 region asks for CSE prevention, as `jax.checkpoint` does by default; `jgraph.lower` then protects
 them from XLA's CSE). Random values are replayed: a copy of `random_bits` reads the same key.
-`remat(graph, budget=bytes)` instead plans segment regions itself (`remat_under_budget`).
+`remat(graph, budget=...)` instead plans its own regions (`jgraph.planner`).
 """
 
 from __future__ import annotations
@@ -32,22 +38,26 @@ import dataclasses
 from jgraph import ops, policies
 from jgraph.check import validate
 from jgraph.errors import TransformError
-from jgraph.ir import Eqn, Graph, Region, Var
+from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.passes import dce
 
 # Ops with bodies: a policy over the whole forward applies inside them, not to them.
 LOOPS = frozenset({"scan", "cond"})
 # Ops whose outputs are never recomputed: running them again would not give the same values.
 NEVER_RECOMPUTED = frozenset({"rng_uniform"})
+# A value computed from literals alone is kept (computed once) up to this size at least.
+SMALL_CONSTANT_BYTES = 64
 
 
 def is_forward(eqn: Eqn) -> bool:
     return not ({"backward", "recompute"} & eqn.tags)
 
 
-def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
+def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto") -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
-    `budget=` (bytes) plans regions itself instead (see `remat_under_budget`)."""
+    `budget=` (bytes of the compiled donated step's temp, or a percentage string such as "50%"
+    of no remat's) plans regions itself instead, with `planner` "auto", "exact" or "fast"
+    (`jgraph.planner`)."""
     validate(graph, "jg.remat")
     if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
@@ -55,7 +65,12 @@ def remat(graph: Graph, policy=None, *, budget=None) -> Graph:
     if budget is not None:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
-        return remat_under_budget(graph, budget)
+        from jgraph.planner import remat_under_budget
+
+        return remat_under_budget(graph, budget, planner)
+    if planner != "auto":
+        raise TransformError(f"remat(planner={planner!r}) chooses how a budget is planned: give "
+                             "budget= too")
     if policy is not None and _loops(graph):
         graph = _with_policy_in_loops(graph, policy)
     return apply_regions(graph, policy)
@@ -89,7 +104,7 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     carry, a y slice) do not count as read outside a region: the loop keeps them anyway (as the
     next iteration's carry, or stacked as ys), so they are recomputed, not saved twice."""
     if policy is not None:
-        graph = _with_whole_forward_region(graph, policy)
+        graph = with_whole_forward_region(graph, policy)
     if not graph.regions:
         return graph
     planner = _Planner(graph, body_outputs)
@@ -104,14 +119,43 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     for region_id in planner.emitted.values():
         counts[region_id] += 1
     info = dict(graph.info, remat={"recomputed_eqns": counts, "policy": _policy_label(policy)})
-    return dce(graph.replace(eqns=tuple(eqns), info=info))
+    return _prune_recomputed_loops(dce(graph.replace(eqns=tuple(eqns), info=info)))
+
+
+def _prune_recomputed_loops(graph: Graph) -> Graph:
+    """Recomputed conds and scans compute only the outputs something reads: a cond's unread
+    outputs and a scan's unread ys leave their bodies (the forward's outputs are not needed
+    again, only the residuals the backward reads)."""
+    read = {a for e in graph.eqns for a in e.inputs if isinstance(a, Var)}
+    read.update(a for a in graph.outputs if isinstance(a, Var))
+    eqns = []
+    for eqn in graph.eqns:
+        if "recompute" in eqn.tags and eqn.op in LOOPS:
+            first = eqn.params["num_carry"] if eqn.op == "scan" else 0
+            keep = [k for k, v in enumerate(eqn.outputs) if k < first or v in read]
+            if len(keep) < len(eqn.outputs):
+                eqn = _with_outputs(eqn, keep)
+        eqns.append(eqn)
+    return graph.replace(eqns=tuple(eqns))
+
+
+def _with_outputs(eqn: Eqn, keep: list[int]) -> Eqn:
+    def pruned(body: Graph) -> Graph:
+        return dce(body.replace(outputs=tuple(body.outputs[k] for k in keep),
+                                output_roles=tuple(body.output_roles[k] for k in keep)))
+
+    if eqn.op == "scan":
+        params = {**eqn.params, "body": pruned(eqn.params["body"])}
+    else:
+        params = {**eqn.params, "branches": tuple(pruned(b) for b in eqn.params["branches"])}
+    return dataclasses.replace(eqn, params=params, outputs=tuple(eqn.outputs[k] for k in keep))
 
 
 def _policy_label(policy):
     return None if policy is None else policies.policy_name(policy)
 
 
-def _with_whole_forward_region(graph: Graph, policy) -> Graph:
+def with_whole_forward_region(graph: Graph, policy) -> Graph:
     """The graph with one more outermost region, with `policy`, holding every forward eqn."""
     whole = max((r.id for r in graph.regions), default=-1) + 1
     regions = (Region(whole, None, policy, True, "remat(policy=...)"),) + tuple(
@@ -119,6 +163,26 @@ def _with_whole_forward_region(graph: Graph, policy) -> Graph:
     eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions)
                  if is_forward(e) and e.op not in LOOPS else e for e in graph.eqns)
     return graph.replace(eqns=eqns, regions=regions)
+
+
+def small_constants(forward) -> set[Eqn]:
+    """Eqns computing from literals alone a value no larger than those literals (`sin(2.0)`, a
+    table derived from a closed-over table): computed once and kept. A constant that grows its
+    literals (a broadcast fill, an iota, or math on them) is cheaper to regenerate than to keep."""
+    from jgraph.memory import nbytes
+
+    source: dict[Var, int] = {}  # constant var -> bytes of the largest literal it comes from
+    small = set()
+    for eqn in forward:
+        if eqn.op in NEVER_RECOMPUTED or not all(isinstance(a, Literal) or a in source
+                                                 for a in eqn.inputs):
+            continue
+        size = max([nbytes(a.aval) if isinstance(a, Literal) else source[a] for a in eqn.inputs],
+                   default=0)
+        source.update((v, size) for v in eqn.outputs)
+        if sum(nbytes(v.aval) for v in eqn.outputs) <= max(size, SMALL_CONSTANT_BYTES):
+            small.add(eqn)
+    return small
 
 
 class _Planner:
@@ -144,7 +208,11 @@ class _Planner:
             if isinstance(a, Var) and a in self.producer:
                 self.crosses.update((a, r) for r in self.producer[a].regions)
         refused = self._refused_by_name(forward)
+        constants = small_constants(forward)
         for eqn in forward:  # saved by the region's policy
+            if eqn in constants:  # a constant of the step: computed once
+                self.crosses.update((v, r) for v in eqn.outputs for r in eqn.regions)
+                continue
             for r in eqn.regions:
                 policy = self.regions[r].policy
                 if eqn.op in NEVER_RECOMPUTED or ops.has_effects(eqn) or (
@@ -226,79 +294,7 @@ class _Planner:
         return copy
 
 
-# -- automatic planning under a memory budget ------------------------------------------------------
-SEGMENT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-
-
-def remat_under_budget(graph: Graph, budget: int) -> Graph:
-    """The plan with the fewest recomputed eqns whose `jgraph.memory` peak fits in `budget` bytes.
-
-    Candidates: no remat, then the forward schedule cut into k contiguous segments of about equal
-    activation bytes, each a region that saves nothing (classic sqrt(N) checkpointing at k ~
-    sqrt(N)); for a graph with loops, each of those again with loop bodies that save nothing
-    but their inputs (`nothing_saveable` inside the loops). Regions recorded while tracing are
-    replaced. The cost of a plan counts a loop body's recomputed eqns once per iteration. No
-    remat is chosen whenever it fits, so a plan never uses more memory than no remat. Raises
-    TransformError when nothing fits.
-    """
-    from jgraph.memory import memory
-
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
-        raise TransformError(f"remat(budget={budget!r}): the budget is a non-negative number of "
-                             "bytes (e.g. 8 * 2**20)")
-    bases = {"loops as traced": _without_regions(graph)}
-    if _loops(graph) and "backward_of" in graph.info:
-        bases["loop bodies recomputed"] = _without_regions(
-            _with_policy_in_loops(graph, policies.nothing_saveable))
-    best, peaks = None, {}
-    for loops, plain in bases.items():
-        forward = [e for e in plain.eqns if is_forward(e)]
-        for k in (0,) + tuple(n for n in SEGMENT_COUNTS if n <= len(forward)):
-            candidate = plain if k == 0 else apply_regions(_segmented(plain, forward, k))
-            peak = memory(candidate).peak_bytes
-            peaks[loops, k] = peak
-            cost = recompute_cost(candidate)
-            if peak <= budget and (best is None or cost < best[0]):
-                best = (cost, (loops, k), candidate)
-    if best is None:
-        key = min(peaks, key=peaks.get)
-        raise TransformError(
-            f"remat(budget={budget}): no plan fits; the smallest estimated peak is "
-            f"{peaks[key]} bytes ({key[1]} segments, {key[0]}; no remat: "
-            f"{peaks['loops as traced', 0]} bytes)")
-    _, (loops, k), chosen = best
-    info = dict(chosen.info, remat=dict(chosen.info.get("remat", {}), budget=budget, segments=k,
-                                        loops=loops, peak_bytes=peaks[loops, k]))
-    return chosen.replace(info=info)
-
-
-def recompute_cost(graph: Graph) -> int:
-    """Recomputed eqns per step: a scan body's count once per iteration, a cond's largest."""
-    cost = 0
-    for e in graph.eqns:
-        cost += "recompute" in e.tags
-        if e.op == "scan":
-            cost += e.params["length"] * recompute_cost(e.params["body"])
-        elif e.op == "cond":
-            cost += max(recompute_cost(b) for b in e.params["branches"])
-    return cost
-
-
-def _without_regions(graph: Graph) -> Graph:
+def without_regions(graph: Graph) -> Graph:
+    """`graph` with no checkpoint regions (a planner's starting point)."""
     eqns = tuple(dataclasses.replace(e, regions=()) if e.regions else e for e in graph.eqns)
     return graph.replace(eqns=eqns, regions=())
-
-
-def _segmented(graph: Graph, forward: list[Eqn], k: int) -> Graph:
-    """`graph` with its forward cut into `k` regions of about equal output bytes."""
-    from jgraph.memory import nbytes
-
-    sizes = [sum(nbytes(v.aval) for v in e.outputs) for e in forward]
-    total, running, segment = max(sum(sizes), 1), 0, {}
-    for eqn, size in zip(forward, sizes, strict=True):
-        segment[eqn] = min(k - 1, running * k // total)
-        running += size
-    regions = tuple(Region(i, None, None, True, f"segment {i}") for i in range(k))
-    eqns = tuple(dataclasses.replace(e, regions=(segment[e],)) if e in segment else e
-                 for e in graph.eqns)
-    return graph.replace(eqns=eqns, regions=regions)

@@ -7,8 +7,8 @@ JAX's default) and float64 (the `f64` marker).
   differences in float64 (`check_grads`, orders 1 and 2);
 - `remat` (recorded regions, every policy, `budget`) keeps every output bitwise equal to no remat
   under `jg.evaluate`, also inside the accumulate + optimizer-step graphs built on it; it saves
-  only what the policy saves; a `budget` plan never exceeds the budget nor no remat on
-  `jg.memory`'s estimate, and `everything_saveable` equals no remat (other plans may exceed no
+  only what the policy saves; a `budget` plan's compiled temp never exceeds the budget nor no
+  remat's, and `everything_saveable` equals no remat (other plans may exceed no
   remat's estimate: recomputing in the backward adds to what is live there); the compiled step
   keeps every recomputed matrix product (`compiled_memory(...).dots`);
 - DCE and CSE keep every output bitwise and never merge `no_cse` eqns; `evaluate` and `compile`
@@ -42,7 +42,7 @@ import jgraph as jg
 from jgraph.errors import TransformError
 from jgraph.ir import Var
 from jgraph.passes import cse, dce
-from jgraph.remat import LOOPS
+from jgraph.remat import LOOPS, small_constants
 from jgraph.testing.build import POLICIES, policy_of, to_graph
 
 NAMES = ("n0", "n1")
@@ -59,7 +59,7 @@ def remat_variants(gb):
     """(label, graph) for the recorded regions, every policy and a budget that fits."""
     out = [("regions", jg.remat(gb))]
     out += [(jg.policies.policy_name(p), jg.remat(gb, policy=p)) for p in ALL_POLICIES]
-    out.append(("budget", jg.remat(gb, budget=jg.memory(gb).peak_bytes)))
+    out.append(("budget", jg.remat(gb, budget="100%")))  # a budget is XLA's: all of no remat's
     return out
 
 
@@ -179,20 +179,22 @@ def test_remat_outputs_are_bitwise_equal_to_no_remat_f64(drawn, label):
 
 
 @BOTH_PRECISIONS
-@examples(25)
-@given(jg.testing.graphs(), st.floats(0.0, 1.0))
+@examples(5)
+@given(jg.testing.graphs(), st.floats(0.05, 1.0))
 def test_remat_budget_never_exceeds_the_budget_or_no_remat(precision, drawn, fraction):
-    g, _ = drawn
+    # A budget is on the compiled donated step's temp (a percentage: of no remat's); each
+    # remat(budget=) compiles, hence few examples.
+    g, args = drawn
     gb = jg.backward(g)
-    plain = jg.memory(gb).peak_bytes
-    budget = int(fraction * plain)
     try:
-        gr = jg.remat(gb, budget=budget)
+        gr = jg.remat(gb, budget=f"{100 * fraction:.1f}%")
     except TransformError as e:
-        assert f"remat(budget={budget}): no plan fits" in str(e)
+        assert "no plan fits; the smallest compiled temp a plan reaches is" in str(e)
         return
-    assert jg.memory(gr).peak_bytes <= min(budget, plain)
-    assert jg.memory(jg.remat(gb, budget=plain)).peak_bytes <= plain
+    report = gr.info["remat"]
+    if report["plan"] != "no remat":
+        temp = jg.compiled_memory(gr, *args).temp_bytes
+        assert temp == report["xla_temp"] <= report["budget"] <= report["no_remat_temp"]
 
 
 def test_a_policy_may_exceed_no_remat_where_a_budget_never_does():
@@ -250,8 +252,9 @@ def test_remat_saves_only_what_the_policy_saves(precision, drawn, policy):
                     if e.op in LOOPS:
                         assert k < primal_outputs[e.op, e.source] or _residual_saved_by(
                             policy, e, k), (str(eqn), str(e))
-                    else:
-                        assert jg.policies.saves(policy, e), (str(eqn), str(e))
+                    else:  # or a small constant computed from literals alone: computed once
+                        assert jg.policies.saves(policy, e) or e in small_constants(forward), (
+                            str(eqn), str(e))
 
 
 def _residual_saved_by(policy, loop, k) -> bool:

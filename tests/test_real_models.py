@@ -151,17 +151,16 @@ def test_grads(name):
 @ROWS
 def test_remat(name):
     """Recorded regions, a policy and a budget: each plan checks and computes every output with
-    the ops of no remat on the same values (bit for bit); the budget plan fits its budget and no
-    remat's peak; compiled, a plan agrees with the compiled joint graph (XLA:CPU may fuse a
-    reduction of a recomputed value differently, and round it differently, so not bitwise)."""
+    the ops of no remat on the same values (bit for bit); compiled, a plan agrees with the
+    compiled joint graph (XLA:CPU may fuse a reduction of a recomputed value differently, and
+    round it differently, so not bitwise)."""
     args = BY_NAME[name].built[1]
     gb = joint(name)
-    plain = jg.memory(gb).peak_bytes
-    smallest = jg.memory(jg.remat(gb, policy=jg.policies.nothing_saveable)).peak_bytes
-    budget = min(plain, (plain + smallest) // 2)
+    # A budget is on the compiled step's temp; these models are too small for remat to lower it
+    # much (tests/test_planner.py plans them under budgets, in the slow suite): all of it.
     plans = {"regions": jg.remat(gb),
              "dots_saveable": jg.remat(gb, policy=jg.policies.dots_saveable),
-             "budget": jg.remat(gb, budget=budget)}
+             "budget": jg.remat(gb, budget="100%")}
     want = value_numbers(gb)
     loops = any(e.op in ("scan", "cond", "while") for e in gb.eqns)
     for label, gr in plans.items():
@@ -170,7 +169,7 @@ def test_remat(name):
             assert_close(jg.evaluate(gr, *args), jg.evaluate(gb, *args), rtol=0)
         else:
             assert value_numbers(gr) == want, label
-    assert jg.memory(plans["budget"]).peak_bytes <= budget <= plain
+    assert plans["budget"].info["remat"]["plan"] == "no remat"
     assert_close(jg.compile(plans["dots_saveable"])(*args), compiled_joint(name), rtol=1e-6)
 
 

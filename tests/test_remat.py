@@ -451,36 +451,6 @@ def test_protected_step_is_bitwise_equal_and_donates():
     assert_bitwise(outs[1], outs[0])
 
 
-# -- automatic plan under a memory budget ----------------------------------------------------------
-def test_budget_plan_fits_the_estimate_and_xla_agrees():
-    loss, params, x = small_chain(segment=16, layers=16, batch=256)
-    gb = joint(loss, params, x)
-    base = jg.memory(gb).peak_bytes
-    budget = base // 2
-    gr = jg.remat(gb, budget=budget)
-    assert recomputed(gr) and jg.memory(gr).peak_bytes <= budget
-    assert gr.info["remat"]["segments"] > 1 and gr.regions != gb.regions
-    assert_remat_exact(gb, gr, (params, x), loss)
-    if jax.default_backend() == "cpu":
-        assert jg.compiled_memory(gr, params, x).temp_bytes <= budget
-
-
-def test_budget_that_no_remat_meets_changes_nothing():
-    loss, params, x = small_chain(segment=4)
-    gb = joint(loss, params, x)
-    gr = jg.remat(gb, budget=1 << 30)
-    assert not recomputed(gr) and gr.info["remat"]["segments"] == 0
-    assert [e.op for e in gr.eqns] == [e.op for e in gb.eqns] and gr.regions == ()
-    assert all(e.inputs == f.inputs for e, f in zip(gr.eqns, gb.eqns, strict=True))
-    jg.check(gr)
-
-
-def test_budget_nothing_can_meet_is_an_error_naming_the_best_peak():
-    loss, params, x = small_chain(segment=4)
-    with pytest.raises(TransformError, match="smallest estimated peak"):
-        jg.remat(joint(loss, params, x), budget=16)
-
-
 @pytest.mark.parametrize("answer", [None, "yes", 0, 1.0])
 def test_a_policy_answering_neither_bool_nor_marker_is_an_error(answer):
     gb = jg.backward(jg.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((3, 2)),
@@ -496,25 +466,3 @@ def test_a_policy_that_is_not_a_policy_is_an_error():
         jg.remat(gb, policy="dots_saveable")
     with pytest.raises(jg.TransformError, match=r"cannot be called as policy\(prim"):
         jg.remat(gb, policy=lambda: True)
-
-
-KEEP = jnp.asarray(int(0.9 * 2**32), jnp.uint32)
-
-
-def test_budget_plan_on_a_graph_carrying_prng_keys():
-    """The budget planner sizes every value, new-style PRNG keys included (dropout's keys)."""
-    def loss(ws, x, key):
-        h = x
-        for w, k in zip(ws, jax.random.split(key, len(ws)), strict=True):
-            h = jnp.tanh(h @ w)
-            keep = jax.random.bits(k, h.shape) < KEEP  # dropout, without float literals
-            h = jnp.where(keep, h, jnp.zeros_like(h))
-        return jnp.mean(h * h)
-
-    ws, x = [jnp.eye(8, dtype=F32) * 0.5] * 6, jnp.ones((64, 8), F32)
-    args = (ws, x, jax.random.key(0))
-    gb = joint(loss, *args)
-    budget = jg.memory(gb).peak_bytes * 3 // 4
-    gr = jg.remat(gb, budget=budget)
-    assert recomputed(gr, "random_bits") and jg.memory(gr).peak_bytes <= budget
-    assert_remat_exact(gb, gr, args, loss)

@@ -13,12 +13,16 @@ two by `split`:
 Residuals are classified by where they come from: a const (loop-invariant: passed to the backward
 loop as a const, never stacked), an `xs` slice (the backward loop slices the same `xs`), or a value
 computed in the body or a carry (stacked by the forward loop, one slice per iteration). Values the
-body computes from consts alone are recomputed in R instead of being stacked `length` times.
+body computes from consts and literals alone are hoisted: computed once before the loop and read
+by F and R as consts, instead of being stacked `length` times or recomputed by each iteration.
+A checkpoint region around the loop whose policy saves something inside it applies that policy
+inside the body (`pushed_policies`), as JAX's policies see through loops.
 The backward scan runs in the other direction with the carries' cotangents as its carries, plus
 one accumulator per const (their cotangents summed over iterations).
 
-`cond`: each branch is linearized alike; the forward cond returns every branch's residual slots
-(zeros in the slots of the branches not taken), the backward is a cond over the branches' R.
+`cond`: each branch is linearized alike (a branch runs once: every forward value its R reads is a
+residual); the forward cond returns every branch's residual slots (zeros in the slots of the
+branches not taken), the backward is a cond over the branches' R.
 `while` with a data-dependent trip count has no reverse mode (as in JAX): `NO_VJP_RULE`.
 """
 
@@ -30,28 +34,41 @@ import jax.numpy as jnp
 
 from jgraph import ops
 from jgraph.builder import Builder
-from jgraph.ir import Eqn, Graph, Var, is_float
+from jgraph.ir import Eqn, Graph, Var, is_float, sub_graphs
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A joint body graph cut into forward F and backward R (see the module docstring)."""
 
-    forward: Graph  # primal inputs -> primal outputs + residuals
-    backward: Graph  # const residuals + residuals + x residuals + cts -> input cotangents
+    forward: Graph  # primal inputs (hoisted values after the consts) -> outputs + residuals
+    backward: Graph  # const residuals + hoisted + residuals + x residuals + cts -> input cts
     const_res: tuple[int, ...]  # primal input positions R reads directly (consts, operands)
     x_res: tuple[int, ...]  # xs positions (among the primal inputs) R reads per iteration
     residuals: tuple[Var, ...]  # values F returns for R (R's inputs of the same names)
+    hoisted: tuple[Eqn, ...] = ()  # loop-invariant eqns R needs, computed once outside the loop
+    hoisted_vars: tuple[Var, ...] = ()  # their outputs, read by F (as consts) and by R
+    hoisted_read: tuple[Var, ...] = ()  # those R reads (its inputs after the const residuals)
 
 
 def is_forward(eqn: Eqn) -> bool:
     return not ({"backward", "recompute"} & eqn.tags)
 
 
-def split(joint: Graph, kinds, n_out: int) -> Split:
+# Ops never moved out of a loop body: a random op run once would not run once per iteration.
+NOT_HOISTED = frozenset({"random_bits", "rng_uniform"})
+
+
+def split(joint: Graph, kinds, n_out: int, hoist: bool = False) -> Split:
     """Cut `joint` (from `vjp_graph`, maybe rematerialized) into F and R. `kinds[k]` says where
     primal input k comes from: "const" (available outside, loop invariant), "x" (a slice of a
-    stacked input) or "carry" (changes every iteration: stacked if R reads it)."""
+    stacked input) or "carry" (changes every iteration: stacked if R reads it).
+
+    With `hoist` (a scan), the forward values R reads that depend on consts and literals alone
+    are loop invariant: they are computed once, before the loop (`Split.hoisted`), and both F
+    and R read them as consts, instead of being stacked `length` times or recomputed by every
+    iteration of R (JAX hoists loop-invariant residuals alike). Without it (a cond's branches,
+    which run once) every value R reads is a residual."""
     n_in = len(kinds)
     primal_in, ct_in = joint.inputs[:n_in], joint.inputs[n_in:]
     kind = dict(zip(primal_in, kinds, strict=True))
@@ -59,12 +76,13 @@ def split(joint: Graph, kinds, n_out: int) -> Split:
     bwd = [e for e in joint.eqns if not is_forward(e)]
     producer = {v: e for e in fwd for v in e.outputs}
     invariant = {v for v, k in kind.items() if k == "const"}
-    for e in fwd:  # values computed from consts alone: R recomputes them
-        if e.op not in ("random_bits", "rng_uniform") and not ops.has_effects(e) and all(
-                a in invariant for a in e.inputs if isinstance(a, Var)):
-            invariant.update(e.outputs)
-    # R's free variables, pulling in the invariant eqns it needs (in schedule order).
-    copies, reads = set(), []
+    if hoist:
+        for e in fwd:
+            if e.op not in NOT_HOISTED and not ops.has_effects(e) and all(
+                    a in invariant for a in e.inputs if isinstance(a, Var)):
+                invariant.update(e.outputs)
+    hoisted: set[Eqn] = set()
+    reads: list[Var] = []
     seen: set = set()
 
     def need(a):
@@ -73,59 +91,103 @@ def split(joint: Graph, kinds, n_out: int) -> Split:
         seen.add(a)
         e = producer.get(a)
         if e is not None and a in invariant:
-            if e not in copies:
-                copies.add(e)
+            if e not in hoisted:
+                hoisted.add(e)
                 for x in e.inputs:
                     need(x)
         else:
             reads.append(a)
 
-    defined = set()
+    defined, direct = set(), set()
     for e in bwd:
         for a in e.inputs:
             if a not in defined:
+                direct.add(a)
                 need(a)
         defined.update(e.outputs)
     for a in joint.outputs[n_out:]:
         if a not in defined:
+            direct.add(a)
             need(a)
+    hoisted_eqns = tuple(e for e in fwd if e in hoisted)
+    kept = [e for e in fwd if e not in hoisted]
+    made = {v for e in hoisted_eqns for v in e.outputs}
+    read_after = {a for e in kept + bwd for a in e.inputs if isinstance(a, Var)}
+    read_after.update(a for a in joint.outputs if isinstance(a, Var))
+    hoisted_vars = tuple(v for e in hoisted_eqns for v in e.outputs if v in read_after)
     ct_set = set(ct_in)
     position = {v: k for k, v in enumerate(primal_in)}
     const_res = tuple(position[a] for a in reads if kind.get(a) == "const")
     x_res = tuple(position[a] for a in reads if kind.get(a) == "x")
-    residuals = tuple(a for a in reads if a not in ct_set and kind.get(a) not in ("const", "x"))
+    residuals = tuple(a for a in reads
+                      if a not in ct_set and a not in made and kind.get(a) not in ("const", "x"))
+    r_hoisted = tuple(v for v in hoisted_vars if v in direct)
+    n_const = sum(k == "const" for k in kinds)
+    f_inputs = primal_in[:n_const] + hoisted_vars + primal_in[n_const:]
     forward = joint.replace(
-        inputs=primal_in, eqns=tuple(_without_regions(e) for e in fwd),
-        outputs=joint.outputs[:n_out] + residuals, input_roles=("data",) * n_in,
+        inputs=f_inputs, eqns=tuple(_without_regions(e) for e in kept),
+        outputs=joint.outputs[:n_out] + residuals, input_roles=("data",) * len(f_inputs),
         output_roles=("aux",) * (n_out + len(residuals)), regions=())
-    r_inputs = (tuple(primal_in[k] for k in const_res) + residuals
+    r_inputs = (tuple(primal_in[k] for k in const_res) + r_hoisted + residuals
                 + tuple(primal_in[k] for k in x_res) + ct_in)
-    backward = Graph(inputs=r_inputs,
-                     eqns=tuple(_without_regions(e) for e in fwd if e in copies) + tuple(bwd),
+    backward = Graph(inputs=r_inputs, eqns=tuple(bwd),
                      outputs=joint.outputs[n_out:], input_roles=("data",) * len(r_inputs),
                      output_roles=("aux",) * (len(joint.outputs) - n_out))
-    return Split(forward, backward, const_res, x_res, residuals)
+    return Split(forward, backward, const_res, x_res, residuals, hoisted_eqns, hoisted_vars,
+                 r_hoisted)
 
 
 def _without_regions(e: Eqn) -> Eqn:
     return dataclasses.replace(e, regions=()) if e.regions else e
 
 
-def joint_body(body: Graph, wrt, with_ct, policy=None) -> Graph:
-    """The body's VJP graph, rematerialized by its recorded regions (and `policy`, if given)."""
-    from jgraph.backward import vjp_graph
-    from jgraph.remat import apply_regions
+def saves_inside(policy, eqn: Eqn) -> bool:
+    """Does `policy` save some eqn of `eqn`'s bodies (nested bodies included)?"""
+    from jgraph.policies import saves
 
-    joint = vjp_graph(body, wrt, with_ct, loop_policy=policy)
-    if (body.regions or policy is not None) and any("backward" in e.tags for e in joint.eqns):
-        joint = apply_regions(joint, policy, body_outputs=len(body.outputs))
+    if policy is None:
+        return False
+    return any(saves(policy, e) or saves_inside(policy, e)
+               for sub in sub_graphs(eqn) for e in sub.eqns)
+
+
+def pushed_policies(graph: Graph, eqn: Eqn) -> tuple[tuple, tuple[int, ...]]:
+    """(policies applied inside `eqn`'s bodies, outermost first; the regions it stays in).
+
+    A checkpoint region around a loop or a cond whose policy saves something inside it applies
+    that policy inside the bodies (JAX's policies see through `scan` and `cond`): the loop then
+    leaves the region, whose recompute would otherwise redo the whole loop, saved dots
+    included. Regions are pushed from the innermost outwards, up to the first one whose policy
+    saves nothing inside (which recomputes the loop whole: keeping only its inputs)."""
+    regions = {r.id: r for r in graph.regions}
+    n = len(eqn.regions)
+    while n and eqn.regions[n - 1] in regions and saves_inside(
+            regions[eqn.regions[n - 1]].policy, eqn):
+        n -= 1
+    pushed = tuple(regions[r].policy for r in eqn.regions[n:])
+    return pushed, eqn.regions[:n]
+
+
+def joint_body(body: Graph, wrt, with_ct, policies=()) -> Graph:
+    """The body's VJP graph, rematerialized by its recorded regions and by `policies` (each a
+    region over the whole body, outermost first)."""
+    from jgraph.backward import vjp_graph
+    from jgraph.remat import apply_regions, with_whole_forward_region
+
+    joint = vjp_graph(body, wrt, with_ct, loop_policies=policies)
+    if (body.regions or policies) and any("backward" in e.tags for e in joint.eqns):
+        for policy in reversed(policies):
+            joint = with_whole_forward_region(joint, policy)
+        joint = apply_regions(joint, body_outputs=len(body.outputs))
     return joint
 
 
 # -- linearize: the forward op that returns residuals ---------------------------------------------
-def linearize(graph: Graph, needs: set, policy=None):
+def linearize(graph: Graph, needs: set, policies=()):
     """(forward eqns, {new eqn: how to transpose it}) with each scan/cond on the gradient path
-    replaced by one that also returns its residuals."""
+    replaced by one that also returns its residuals (preceded by the loop-invariant eqns hoisted
+    out of a scan). `policies` (outermost first) apply inside every loop body, with those of the
+    checkpoint regions around the loop that see through it (`pushed_policies`)."""
     eqns, linearized = [], {}
     for eqn in graph.eqns:
         rule = _LINEARIZE.get(eqn.op)
@@ -134,7 +196,11 @@ def linearize(graph: Graph, needs: set, policy=None):
         if rule is None or not on_path:
             eqns.append(eqn)
             continue
-        new, how = rule(eqn, needs, policy)
+        pushed, regions = pushed_policies(graph, eqn)
+        hoisted, new, how = rule(eqn, needs, tuple(policies) + pushed)
+        eqns += [dataclasses.replace(e, regions=regions, tags=eqn.tags, source=eqn.source)
+                 for e in hoisted]
+        new = dataclasses.replace(new, regions=regions)
         eqns.append(new)
         linearized[new] = how
     return eqns, linearized
@@ -153,9 +219,10 @@ def _zeros_like(b: Builder, atom):
 @dataclasses.dataclass(frozen=True)
 class _ScanVjp:
     split: Split
-    wrt: tuple[bool, ...]  # per scan input: its cotangent is computed
+    wrt: tuple[bool, ...]  # per scan input (hoisted values excluded): its cotangent is computed
     carry_ct: tuple[bool, ...]  # per carry: its cotangent flows through the loop
     y_ct: tuple[bool, ...]  # per y: it has a cotangent
+    r_hoisted: tuple  # the hoisted values R reads, as outer atoms
 
 
 def _carry_activity(body: Graph, nc: int, nk: int, active_in) -> list[bool]:
@@ -173,7 +240,19 @@ def _carry_activity(body: Graph, nc: int, nk: int, active_in) -> list[bool]:
         active = new
 
 
-def _linearize_scan(eqn: Eqn, needs: set, policy=None):
+def _hoist(cut: Split, consts) -> tuple[list[Eqn], dict]:
+    """Copies of the hoisted body eqns reading the scan's const operands; {body var: outer}."""
+    outer = dict(zip(cut.forward.inputs[:len(consts)], consts, strict=True))
+    eqns = []
+    for e in cut.hoisted:
+        outputs = tuple(Var(v.aval) for v in e.outputs)
+        outer.update(zip(e.outputs, outputs, strict=True))
+        eqns.append(dataclasses.replace(e, inputs=tuple(outer.get(a, a) for a in e.inputs),
+                                        outputs=outputs))
+    return eqns, outer
+
+
+def _linearize_scan(eqn: Eqn, needs: set, policies=()):
     p = eqn.params
     body, nc, nk = p["body"], p["num_consts"], p["num_carry"]
     ins = eqn.inputs
@@ -183,22 +262,29 @@ def _linearize_scan(eqn: Eqn, needs: set, policy=None):
     carry_ct = [c and f for c, f in zip(carry_ct, floating[nc:nc + nk], strict=True)]
     wrt = wants[:nc] + carry_ct + wants[nc + nk:]
     y_ct = [v in needs and is_float(v.aval) for v in eqn.outputs[nk:]]
-    joint = joint_body(body, wrt, carry_ct + y_ct, policy)
+    joint = joint_body(body, wrt, carry_ct + y_ct, policies)
     kinds = ["const"] * nc + ["carry"] * nk + ["x"] * (len(ins) - nc - nk)
-    cut = split(joint, kinds, len(body.outputs))
+    cut = split(joint, kinds, len(body.outputs), hoist=True)
+    hoisted, outer = _hoist(cut, ins[:nc])
     length = p["length"]
     stacked = tuple(Var(r.aval.update(shape=(length, *r.aval.shape))) for r in cut.residuals)
-    new = dataclasses.replace(eqn, outputs=eqn.outputs + stacked,
-                              params={**p, "body": cut.forward})
-    return new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct))
+    new = dataclasses.replace(
+        eqn, inputs=ins[:nc] + tuple(outer[v] for v in cut.hoisted_vars) + ins[nc:],
+        outputs=eqn.outputs + stacked,
+        params={**p, "body": cut.forward, "num_consts": nc + len(cut.hoisted_vars)})
+    r_hoisted = tuple(outer[v] for v in cut.hoisted_read)
+    return hoisted, new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct), r_hoisted)
 
 
 def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
     p, cut = eqn.params, how.split
-    nc, nk = p["num_consts"], p["num_carry"]
+    n_h = len(cut.hoisted_vars)
+    nc, nk = p["num_consts"] - n_h, p["num_carry"]
     n_y = len(p["body"].outputs) - nk - len(cut.residuals)
-    ins, R = eqn.inputs, cut.backward
-    n_const_res, n_res, n_x_res = len(cut.const_res), len(cut.residuals), len(cut.x_res)
+    ins = eqn.inputs[:nc] + eqn.inputs[nc + n_h:]  # the scan's own operands, as linearized
+    R = cut.backward
+    n_const_res = len(cut.const_res) + len(how.r_hoisted)
+    n_res, n_x_res = len(cut.residuals), len(cut.x_res)
     n_carry_ct = sum(how.carry_ct)
     r_const = R.inputs[:n_const_res]
     r_res = R.inputs[n_const_res:n_const_res + n_res]
@@ -227,7 +313,8 @@ def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
     y_cts = [out_cts[nk + j] if out_cts[nk + j] is not None else
              _zeros_like(b, eqn.outputs[nk + j]) for j in range(n_y) if how.y_ct[j]]
     xs = list(eqn.outputs[nk + n_y:]) + [ins[k] for k in cut.x_res] + y_cts
-    outs = b.bind("scan", *(ins[k] for k in cut.const_res), *init, *xs, body=body,
+    consts = [ins[k] for k in cut.const_res] + list(how.r_hoisted)
+    outs = b.bind("scan", *consts, *init, *xs, body=body,
                   length=p["length"], reverse=not p["reverse"],
                   num_consts=n_const_res, num_carry=n_carry_ct + len(accs),
                   unroll=p.get("unroll", 1))
@@ -238,6 +325,7 @@ def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
         cts[k] = ct
     for k, ct in zip(wrt_xs, outs[n_carry_ct + len(accs):], strict=True):
         cts[k] = ct
+    cts = cts[:nc] + [None] * n_h + cts[nc:]  # hoisted values: computed from consts, no ct
     return [ct if use else None for ct, use in zip(cts, needed, strict=True)]
 
 
@@ -250,13 +338,13 @@ class _CondVjp:
     with_ct: tuple[bool, ...]  # per output: it has a cotangent
 
 
-def _linearize_cond(eqn: Eqn, needs: set, policy=None):
+def _linearize_cond(eqn: Eqn, needs: set, policies=()):
     branches = eqn.params["branches"]
     operands = eqn.inputs[1:]
     wrt = [isinstance(a, Var) and a in needs and is_float(a.aval) for a in operands]
     with_ct = [v in needs and is_float(v.aval) for v in eqn.outputs]
     n_out = len(eqn.outputs)
-    splits = [split(joint_body(g, wrt, with_ct, policy), ["const"] * len(operands), n_out)
+    splits = [split(joint_body(g, wrt, with_ct, policies), ["const"] * len(operands), n_out)
               for g in branches]
     slots, start = [], 0
     for s in splits:
@@ -275,7 +363,7 @@ def _linearize_cond(eqn: Eqn, needs: set, policy=None):
     res = tuple(Var(a) for a in slot_avals)
     new = dataclasses.replace(eqn, outputs=eqn.outputs + res,
                               params={**eqn.params, "branches": tuple(forwards)})
-    return new, _CondVjp(tuple(splits), tuple(slots), tuple(wrt), tuple(with_ct))
+    return [], new, _CondVjp(tuple(splits), tuple(slots), tuple(wrt), tuple(with_ct))
 
 
 def _transpose_cond(b: Builder, eqn: Eqn, how: _CondVjp, out_cts, needed):

@@ -1,0 +1,430 @@
+"""The remat planner's bar (issue 20): budgets met on XLA, gradients, step time, planning time.
+
+Models: the 32-layer tanh chain and the 16-block residual MLP of `bench_remat`, a 6-layer
+transformer LM (d_model 256, seq 128, batch 8, 4 heads, MLP 1024) and a 64-layer scanned MLP
+(`tanh(h @ W[i] + b[i])` in a `lax.scan`, width 128, batch 1024: activations dominate its temp;
+at width 512 and batch 256 the gradients XLA stacks for the scan alone are half of it).
+
+For each model and each budget (25%, 50%, 75% of the no-remat compiled donated temp) a row:
+- the planned step's temp (compiled again here, from the real arguments) against the budget;
+- the largest gradient difference with no remat, compiled, and whether the plan is bitwise
+  equal to no remat under `jg.evaluate` (not for the scan: evaluating it eagerly takes minutes);
+- the step time against jgraph's no-remat step, and against the fastest hand-written
+  `jax.checkpoint` arrangement whose temp fits the same budget. That reference runs in a child
+  process with `XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander` (which keeps JAX's
+  remat alive on XLA:CPU), timed against JAX's no-remat step there; here the plans are timed
+  against the same JAX no-remat step (no barriers: the flag does not change it), interleaved,
+  medians; the ratio is (plan / JAX no remat) / (arrangement / JAX no remat);
+- the planning time, and apart from it the seconds spent compiling plans to check them; and a
+  last line: the fast planner's time on a 10k-eqn graph (a 1000-layer chain).
+
+The frontier figure (`--plot PATH`, matplotlib): per model, the recompute flops (XLA's
+`cost_analysis` of the step, less no remat's) against the compiled temp, for budgets from the
+least the planner reaches to no remat, with JAX's hand-written arrangements as points.
+
+    python -m benchmarks.bench_planner [--quick] [--plot planner_frontier.png] [models...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jgraph as jg
+from benchmarks import interleaved_medians
+from benchmarks.bench_remat import block_args, blocks, chain, chain_args, jax_step
+from jgraph.memory import donated_step
+
+MIB = 2**20
+BUDGETS = (75, 50, 25)
+FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+cp = jax.checkpoint_policies
+
+
+# -- models --------------------------------------------------------------------------------------
+def transformer_args(layers=6, d=256, seq=128, batch=8, vocab=512):
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), 8 * layers + 4))
+
+    def normal(shape, scale):
+        return jax.random.normal(next(keys), shape, jnp.float32) * scale
+
+    params = {"embed": normal((vocab, d), 0.02), "lnf": jnp.ones((d,)), "layers": [
+        {"ln1": jnp.ones((d,)), "wqkv": normal((d, 3 * d), d**-0.5), "wo": normal((d, d), d**-0.5),
+         "ln2": jnp.ones((d,)), "w1": normal((d, 4 * d), d**-0.5),
+         "w2": normal((4 * d, d), (4 * d)**-0.5)} for _ in range(layers)]}
+    return params, jax.random.randint(next(keys), (batch, seq), 0, vocab)
+
+
+def _layer_norm(g, x):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return g * (x - mean) * lax.rsqrt(var + 1e-5)
+
+
+def transformer_layer(p, x, heads=4):
+    b, t, d = x.shape
+    h = _layer_norm(p["ln1"], x)
+    q, k, v = (a.reshape(b, t, heads, d // heads) for a in jnp.split(h @ p["wqkv"], 3, -1))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // heads) ** 0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+    x = x + a @ p["wo"]
+    return x + jax.nn.gelu(_layer_norm(p["ln2"], x) @ p["w1"]) @ p["w2"]
+
+
+def transformer(wrap=lambda f: f, segment=1):
+    """The LM; `wrap` (a `jax.checkpoint`) around each run of `segment` layers."""
+
+    def run(ps, x):
+        for p in ps:
+            x = transformer_layer(p, x)
+        return x
+
+    def loss(params, tokens):
+        x, layers = params["embed"][tokens], params["layers"]
+        for i in range(0, len(layers), segment):
+            x = wrap(run)(layers[i:i + segment], x)
+        logits = _layer_norm(params["lnf"], x) @ params["embed"].T
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    return loss
+
+
+def scanned_args(layers=64, width=128, batch=1024):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    return ({"w": jax.random.normal(k1, (layers, width, width)) * width**-0.5,
+             "b": jnp.zeros((layers, width))}, jax.random.normal(k2, (batch, width)))
+
+
+def _scan_body(h, p):
+    return jnp.tanh(h @ p["w"] + p["b"]), None
+
+
+def scanned(wrap=lambda f: f, split=None, inner=lambda f: f):
+    """The scanned MLP; `wrap` around the body, or `split` scans nested (outer over checkpointed
+    inner scans of `split` layers, `inner` around the innermost body)."""
+
+    def loss(params, x):
+        if split is None:
+            h = lax.scan(wrap(_scan_body), x, params)[0]
+        else:
+            chunks = jax.tree.map(lambda a: a.reshape(-1, split, *a.shape[1:]), params)
+            step = jax.checkpoint(lambda h, ps: (lax.scan(inner(_scan_body), h, ps)[0], None))
+            h = lax.scan(step, x, chunks)[0]
+        return jnp.mean(h**2)
+
+    return loss
+
+
+def _chain_nested(params, x):
+    """Binary nested checkpoints over the 32 layers (recursive halves)."""
+    def run(ws, h):
+        if len(ws) == 1:
+            w, b = ws[0]
+            return jnp.tanh(h @ w + b)
+        half = len(ws) // 2
+        return jax.checkpoint(run)(ws[half:], jax.checkpoint(run)(ws[:half], h))
+
+    h = run(params, x)
+    return jnp.mean(h * h)
+
+
+def _blocks_segments(k):
+    """The residual MLP with each run of `k` blocks one `jax.checkpoint` region."""
+    def run(ps, h):
+        for w1, w2 in ps:
+            h = h + jnp.tanh(h @ w1) @ w2
+        return h
+
+    def loss(params, x):
+        h = x
+        for i in range(0, len(params), k):
+            h = jax.checkpoint(run)(params[i:i + k], h)
+        return jnp.mean(h * h)
+
+    return loss
+
+
+def models():
+    """{name: (traced function, args, {hand-written JAX arrangement: function})}."""
+    ckpt = jax.checkpoint
+    return {
+        "chain32": (chain(), chain_args(), {
+            "no remat": chain(), "checkpoint per layer": chain(1),
+            **{f"{k}-layer segments": chain(k) for k in (2, 4, 6, 8, 16)},
+            "nested halves": _chain_nested,
+            "dots_saveable, whole model": ckpt(chain(), policy=cp.dots_saveable)}),
+        "resmlp16": (blocks(), block_args(), {
+            "no remat": blocks(), "checkpoint per block": blocks(True),
+            "per block, dots_with_no_batch_dims": blocks(True, cp.dots_with_no_batch_dims_saveable),
+            **{f"{k}-block segments": _blocks_segments(k) for k in (2, 4, 8)},
+            "nothing_saveable, whole model": ckpt(blocks(), policy=cp.nothing_saveable)}),
+        "transformer6": (transformer(), transformer_args(), {
+            "no remat": transformer(), "checkpoint per layer": transformer(ckpt),
+            "per layer, dots_saveable": transformer(lambda f: ckpt(f, policy=cp.dots_saveable)),
+            "per layer, dots_with_no_batch_dims": transformer(
+                lambda f: ckpt(f, policy=cp.dots_with_no_batch_dims_saveable)),
+            "2-layer segments": transformer(ckpt, 2), "3-layer segments": transformer(ckpt, 3)}),
+        "scan64": (scanned(), scanned_args(), {
+            "no remat": scanned(), "scan(checkpoint(body))": scanned(ckpt),
+            "scan(checkpoint(body, dots_saveable))": scanned(
+                lambda f: ckpt(f, policy=cp.dots_saveable)),
+            "8 x 8 nested scans": scanned(split=8),
+            "8 x 8 nested scans, checkpointed body": scanned(split=8, inner=ckpt)}),
+    }
+
+
+# -- measuring -----------------------------------------------------------------------------------
+class Stepper:
+    """A donated step and its state, callable with no arguments (for interleaved timing)."""
+
+    def __init__(self, step, state, rest):
+        self.step, self.state, self.rest = step, jax.tree.map(jnp.copy, state), rest
+
+    def __call__(self):
+        self.state, out = self.step(self.state, self.rest)
+        return out
+
+
+def compiled_figures(step, *args):
+    compiled = step.lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, compiled.cost_analysis()["flops"]
+
+
+def jgraph_step(graph, args):
+    step, split = donated_step(graph)
+    state, rest = split(*args)
+    return step, state, rest
+
+
+def grad_difference(gb, gr, args, evaluate):
+    """(largest |difference| of the compiled gradients, bitwise under jg.evaluate or None)."""
+    got, want = jg.compile(gr)(*args)[1], jg.compile(gb)(*args)[1]
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+    bitwise = None
+    if evaluate:
+        bitwise = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+            jax.tree.leaves(jg.evaluate(gr, *args)), jax.tree.leaves(jg.evaluate(gb, *args)),
+            strict=True))
+    return diff, bitwise
+
+
+def jax_child(name: str, repeats: int) -> dict:
+    """Run the JAX arrangements of model `name` in a child process with XLA_FLAGS=FLAG."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip())
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_planner", "--jax-child", name,
+                          "--repeats", str(repeats)], env=env, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def jax_arrangements(name: str, repeats: int) -> dict:
+    """{arrangement: {temp, flops, time (relative to JAX's no remat)}} (in the child)."""
+    _, args, variants = models()[name]
+    steppers, found = {}, {}
+    for label, fn in variants.items():
+        step = jax_step(fn)
+        temp, flops = compiled_figures(step, *args)
+        found[label] = {"temp": temp, "flops": flops}
+        steppers[label] = Stepper(step, args[0], args[1])
+    times = interleaved_medians(steppers, repeats=repeats, warmup=1)
+    for label in found:
+        found[label]["time"] = times[label] / times["no remat"]
+    return found
+
+
+def plan_model(name: str, repeats: int):
+    """(rows of the bar table, the model's frontier points)."""
+    fn, args, _ = models()[name]
+    gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
+    step, state, rest = jgraph_step(gb, args)
+    no_temp, no_flops = compiled_figures(step, state, rest)
+    steppers, rows = {"no remat": Stepper(step, state, rest),
+                      "jax": Stepper(jax_step(fn), args[0], args[1])}, []
+    for percent in BUDGETS:
+        budget = percent * no_temp // 100
+        try:
+            gr = jg.remat(gb, budget=f"{percent}%")
+        except jg.TransformError as error:
+            rows.append({"model": name, "percent": percent, "budget": budget,
+                         "error": str(error)})
+            continue
+        step, state, rest = jgraph_step(gr, args)
+        temp, flops = compiled_figures(step, state, rest)
+        diff, bitwise = grad_difference(gb, gr, args, evaluate=name != "scan64")
+        report = gr.info["remat"]
+        steppers[percent] = Stepper(step, state, rest)
+        rows.append({"model": name, "percent": percent, "budget": budget, "temp": temp,
+                     "flops": flops - no_flops, "diff": diff, "bitwise": bitwise,
+                     "planning": report["planning_seconds"], "xla": report["xla_seconds"],
+                     "used": report.get("used", "-"), "plan": report["plan"]})
+    times = interleaved_medians(steppers, repeats=repeats, warmup=1)
+    for row in rows:
+        if "temp" in row:
+            row["time"] = times[row["percent"]] / times["no remat"]
+            row["time_vs_jax"] = times[row["percent"]] / times["jax"]
+    return rows, (no_temp, no_flops, gb, args)
+
+
+def frontier(no_temp, no_flops, gb, args, points):
+    """[(compiled temp, recompute flops)] of fast plans at budgets from the least to no remat."""
+    least = None
+    try:
+        jg.remat(gb, budget=1, planner="fast")
+    except jg.TransformError as error:
+        text = str(error).split("reaches is ")[1]
+        least = int(text.split(" bytes")[0])
+    found = [(no_temp, 0.0)]
+    for budget in np.linspace(least or no_temp // 4, no_temp, points)[:-1]:
+        try:
+            gr = jg.remat(gb, budget=int(budget), planner="fast")
+        except jg.TransformError:
+            continue
+        temp, flops = compiled_figures(*jgraph_step(gr, args))
+        found.append((temp, flops - no_flops))
+    return sorted(found)
+
+
+def long_chain(layers=1000, width=16, batch=64):
+    """A 10k-eqn joint graph: a tanh chain of 1000 layers (the fast planner's time bar)."""
+    ws = [jnp.full((width, width), 0.01, jnp.float32) for _ in range(layers)]
+
+    def loss(ws, h):
+        for w in ws:
+            h = jnp.tanh(h @ w + 1.0)
+        return jnp.sum(h)
+
+    return jg.backward(jg.trace(loss, ws, jnp.ones((batch, width)), param_argnums=0))
+
+
+def planning_time() -> str:
+    gb = long_chain()
+    report = jg.remat(gb, budget="50%", planner="fast").info["remat"]
+    return (f"fast planner on a {len(gb.eqns)}-eqn graph at 50%: planning "
+            f"{report['planning_seconds']:.1f} s (+ {report['xla_seconds']:.1f} s compiling "
+            f"{report['retries'] + 2} steps to check them), temp {report['xla_temp'] / MIB:.2f}"
+            f"/{report['budget'] / MIB:.2f} MiB")
+
+
+def best_fitting(arrangements: dict, budget: int):
+    fitting = {k: v for k, v in arrangements.items() if v["temp"] <= budget}
+    if not fitting:
+        return None, None
+    label = min(fitting, key=lambda k: fitting[k]["time"])
+    return label, fitting[label]
+
+
+# -- the table -----------------------------------------------------------------------------------
+def run(names, quick: bool, plot: str | None):
+    repeats = 7 if quick else 15  # the timings of a busy 2-core machine need many
+    table, figure = [], {}
+    for name in names:
+        started = time.perf_counter()
+        rows, (no_temp, no_flops, gb, args) = plan_model(name, repeats)
+        arrangements = jax_child(name, repeats)
+        for row in rows:
+            label, best = best_fitting(arrangements, row["budget"])
+            row["jax"], row["jax_best"] = label, best
+        table += rows
+        if plot:
+            figure[name] = (frontier(no_temp, no_flops, gb, args, 4 if quick else 7),
+                            arrangements, no_temp)
+        print(f"# {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return table, figure
+
+
+def format_rows(table) -> list[str]:
+    lines = ["model         budget  MiB (budget)   temp ok  max|dg|   bitwise  time/no-remat  "
+             "best JAX fitting (time/its no-remat)            ratio  plan s  xla s  planner"]
+    for r in table:
+        head = f"{r['model']:<13} {r['percent']:>4}%  {r['budget'] / MIB:7.2f}"
+        if "error" in r:
+            lines.append(f"{head}  unreachable: {r['error'][:150]}")
+            continue
+        best = r["jax_best"]
+        jax_text = "none fits" if best is None else f"{r['jax']} ({best['time']:.2f}x)"
+        ratio = "-" if best is None else f"{r['time_vs_jax'] / best['time']:.2f}"
+        bitwise = {None: "-", True: "yes", False: "NO"}[r["bitwise"]]
+        fits = "yes" if r["temp"] <= r["budget"] else "NO"
+        lines.append(f"{head}  {r['temp'] / MIB:7.2f} {fits:>3}  {r['diff']:8.1e}  {bitwise:>7}  "
+                     f"{r['time']:12.2f}x  {jax_text:<46} {ratio:>5}  {r['planning']:6.1f}  "
+                     f"{r['xla']:5.1f}  {r['used']}")
+    return lines
+
+
+def draw(figure, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    for ax, (name, (points, arrangements, _)) in zip(axes.ravel(), figure.items(),
+                                                     strict=False):
+        temps, flops = zip(*points, strict=True)
+        ax.plot(np.array(temps) / MIB, np.array(flops) / 1e9, "o-", label="jg.remat(budget=)")
+        for label, a in arrangements.items():
+            ax.scatter(a["temp"] / MIB, (a["flops"] - arrangements["no remat"]["flops"]) / 1e9,
+                       marker="x")
+            ax.annotate(label, (a["temp"] / MIB, (a["flops"] - arrangements["no remat"]["flops"])
+                                / 1e9), fontsize=6)
+        ax.set_title(name)
+        ax.set_xlabel("compiled temp (MiB)")
+        ax.set_ylabel("recompute GFLOP per step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def rows(quick: bool = False) -> list[dict]:
+    """Rows for `benchmarks.run`: per model and budget, the planned step time against the
+    fastest fitting JAX arrangement (each against its own no remat)."""
+    table, _ = run(["chain32", "resmlp16"] if quick else list(models()), quick, None)
+    out = []
+    for r in table:
+        name = f"planner {r['model']} {r['percent']}%"
+        if "error" in r:
+            out.append({"benchmark": name, "jgraph": "-", "reference": "-", "ratio": "-",
+                        "note": r["error"][:100]})
+            continue
+        best = r["jax_best"]
+        out.append({"benchmark": f"{name}: temp {r['temp'] / MIB:.1f}/{r['budget'] / MIB:.1f} "
+                                 "MiB, step time vs no remat",
+                    "jgraph": f"{r['time']:.2f}x",
+                    "reference": "-" if best is None else f"{best['time']:.2f}x",
+                    "ratio": "-" if best is None else r["time_vs_jax"] / best["time"],
+                    "note": f"reference: {r['jax'] or 'no JAX arrangement fits'}"})
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", help="chain32 resmlp16 transformer6 scan64")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--plot", help="write the frontier figure (PNG) here")
+    parser.add_argument("--jax-child", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=9, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.jax_child:
+        print(json.dumps(jax_arrangements(args.jax_child, args.repeats)))
+        return
+    table, figure = run(args.models or list(models()), args.quick, args.plot)
+    print("\n".join(format_rows(table)))
+    print(planning_time())
+    if args.plot:
+        draw(figure, args.plot)
+        print(f"frontier: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""`jg.remat(graph, budget=...)`: plan what to keep and what to recompute so that the compiled
+donated step fits a memory budget at the least recompute cost.
+
+The pieces, one concept per module:
+- `cost`: what recomputing an eqn costs (flops; fused elementwise ops almost nothing);
+- `chain`: the forward as a chain of stages between cheap cuts (the planner's memory model);
+- `plan`: a plan (values kept, nested segments) and the ordinary graph it stands for: checkpoint
+  regions whose policy saves exactly the kept values, rematerialized by `jgraph.remat`;
+- `fast`: nested checkpointing by dynamic programming (Revolve/Rotor) and knapsack keep sets;
+- `exact`: the same plan space solved exactly as a MILP (`scipy.optimize.milp`, HiGHS);
+- `loops`: what a scan body saves, and splitting a scan into nested scans;
+- `validate`: budgets, and the temp XLA allocates for a plan;
+- `search` (here): plan on the model, check the plan's `jg.memory` estimate, compile it, and when
+  XLA allocates more than the budget, tighten the model's target and plan again.
+"""
+
+from __future__ import annotations
+
+from jgraph.planner.search import PLANNERS, remat_under_budget
+
+__all__ = ["PLANNERS", "remat_under_budget"]

@@ -1,0 +1,116 @@
+"""Loop modes: what a scan body saves, and splitting a scan into nested scans.
+
+The chain model sees a loop as one eqn whose cost is its body's times its length and whose values
+are what it stacks for the backward. What the loop stacks is decided when `jgraph.backward`
+linearizes it, from the forward graph; so each mode here is the joint graph derived again from a
+rewritten forward graph (the graph `backward` recorded in `info["backward_of"]`):
+
+- "loops as traced": the body saves what its own checkpoint regions say (everything, without);
+- "loop bodies keep their inputs": `nothing_saveable` inside every body (a scan stacks its carries
+  and recomputes one iteration in each backward iteration: per-layer checkpointing);
+- "loop bodies keep contractions": `dots_saveable` inside every body;
+- "scans split in two" (and with bodies keeping their inputs): every scan of length L on the
+  gradient path becomes an outer scan of L/k iterations over a checkpointed inner scan of k
+  iterations, k the divisor of L nearest sqrt(L): the outer scan stacks L/k carries, and each
+  backward iteration of it runs the inner scan again, so the memory of L iterations shrinks to
+  about 2 sqrt(L) (a 256-layer scanned model fits budgets per-layer checkpointing cannot).
+
+The planner plans each mode's graph and keeps the cheapest plan that fits.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jgraph import policies
+from jgraph.builder import Builder
+from jgraph.ir import Eqn, Graph, Region, Var
+
+
+def has_loops(graph: Graph) -> bool:
+    return any(e.op in ("scan", "cond") for e in graph.eqns)
+
+
+def modes(forward: Graph) -> dict[str, tuple[Graph, object]]:
+    """{mode: (forward graph, loop policy)} (see the module docstring)."""
+    found = {"loops as traced": (forward, None),
+             "loop bodies keep their inputs": (forward, policies.nothing_saveable),
+             "loop bodies keep contractions": (forward, policies.dots_saveable)}
+    split = split_scans(forward)
+    if split is not forward:
+        found["scans split in two"] = (split, None)
+        found["scans split in two, bodies keeping their inputs"] = (
+            split, policies.nothing_saveable)
+        thrice = split_scans(forward, levels=3)
+        if thrice is not forward:
+            found["scans split in three, bodies keeping their inputs"] = (
+                thrice, policies.nothing_saveable)
+    return found
+
+
+def split_factor(length: int, levels: int = 2) -> int | None:
+    """The divisor of `length` nearest its `levels`-th root: the length of the scan nested
+    inside (None: no split worth making)."""
+    if length < 2**levels:
+        return None
+    root = length ** ((levels - 1) / levels)
+    divisors = [k for k in range(2, length) if length % k == 0]
+    return min(divisors, key=lambda k: abs(k - root), default=None)
+
+
+def split_scans(graph: Graph, levels: int = 2) -> Graph:
+    """`graph` with each top-level scan that can be split replaced by `levels` nested scans."""
+    renamed: dict[Var, Var] = {}
+    eqns, changed = [], False
+
+    def read(a):
+        return renamed.get(a, a) if isinstance(a, Var) else a
+
+    for eqn in graph.eqns:
+        if any(isinstance(a, Var) and a in renamed for a in eqn.inputs):
+            eqn = _with_inputs(eqn, tuple(read(a) for a in eqn.inputs))
+        k = split_factor(eqn.params["length"], levels) if eqn.op == "scan" else None
+        if k is None:
+            eqns.append(eqn)
+            continue
+        new, outputs = split_scan(eqn, k, levels)
+        eqns += new
+        renamed.update(zip(eqn.outputs, outputs, strict=True))
+        changed = True
+    if not changed:
+        return graph
+    return graph.replace(eqns=tuple(eqns), outputs=tuple(read(a) for a in graph.outputs))
+
+
+def _with_inputs(eqn: Eqn, inputs) -> Eqn:
+    import dataclasses
+
+    return dataclasses.replace(eqn, inputs=inputs)
+
+
+def split_scan(eqn: Eqn, k: int, levels: int = 2) -> tuple[list[Eqn], list]:
+    """(eqns computing `eqn`'s outputs with an outer scan of length/k over a checkpointed inner
+    scan of k iterations, itself split into `levels - 1` nested scans; the atoms standing for
+    `eqn`'s outputs)."""
+    p = eqn.params
+    length, nc, nk = p["length"], p["num_consts"], p["num_carry"]
+    outer_length = length // k
+    b = Builder(tags=eqn.tags, regions=eqn.regions, source=eqn.source)
+    ins = eqn.inputs
+    chunks = [b.call(jnp.reshape, x, shape=(outer_length, k, *x.aval.shape[1:]))[0]
+              for x in ins[nc + nk:]]
+    body_in = tuple(Var(a.aval) for a in ins[:nc + nk]) + tuple(
+        Var(c.aval.update(shape=c.aval.shape[1:])) for c in chunks)
+    inner = Builder(regions=(0,), source=eqn.source)
+    inner_out = inner.bind("scan", *body_in, body=p["body"], length=k, reverse=p["reverse"],
+                           num_consts=nc, num_carry=nk, unroll=p.get("unroll", 1))
+    region = Region(0, None, None, True, f"split scan: {k} iterations", eqn.source)
+    outer_body = Graph(inputs=body_in, eqns=tuple(inner.eqns), outputs=tuple(inner_out),
+                       input_roles=("data",) * len(body_in),
+                       output_roles=("aux",) * len(inner_out), regions=(region,))
+    if levels > 2:
+        outer_body = split_scans(outer_body, levels - 1)
+    outs = b.bind("scan", *ins[:nc + nk], *chunks, body=outer_body, length=outer_length,
+                  reverse=p["reverse"], num_consts=nc, num_carry=nk, unroll=1)
+    ys = [b.call(jnp.reshape, y, shape=(length, *y.aval.shape[2:]))[0] for y in outs[nk:]]
+    return b.eqns, outs[:nk] + ys

@@ -1,0 +1,276 @@
+"""The planning loop: model, estimate, XLA, and back.
+
+1. The budget in bytes (a percentage is of the no-remat compiled temp). If no remat fits it, the
+   graph is returned without regions.
+2. The joint graph is derived in each loop mode (`jgraph.planner.loops`; one mode for a graph
+   without loops, or one no longer as `jg.backward` returned it) and cut into stages.
+3. Each mode's target for the `jg.memory` estimate is the budget less what XLA allocates beyond
+   the estimate in that mode without a plan (a scan's stacked gradients, layout copies; measured
+   when a plan of the mode is first chosen), less a slack, 0 at first.
+4. The planner (`fast` or `exact`) finds the cheapest plan of any mode within its target; the
+   plan's graph is built and its `jg.memory` peak checked against the target; while it is over,
+   the model's budgets shrink by the ratio and the planner runs again (`ESTIMATE_ROUNDS`).
+5. The plan is compiled. When XLA's temp exceeds the budget, the slack grows by what was missed
+   (at most halfway to what any mode can take); when a plan fits after a miss, the slack shrinks
+   halfway back, in case a cheaper plan fits too (`XLA_RETRIES` compiles at most). A plan is
+   returned only when XLA's temp is within the budget: never one above no remat.
+6. Before giving up, each mode's plan needing the least memory is compiled; if none fits, a
+   TransformError states the smallest temp a plan reaches and that plan.
+7. The exact planner then solves its MILP at the model budget of the plan found, for a cheaper
+   plan (per-stage keep sets, no memory discretization), within what is left of its time limit;
+   a cheaper plan that fits XLA's budget replaces it (`info["remat"]["milp"]` says what happened).
+
+`graph.info["remat"]` reports the planner, the budget, the estimate, XLA's temp (and no remat's),
+the retries, the recompute flops, the plan, the seconds planning took and (apart) the seconds
+XLA took to compile the plans it checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jgraph.errors import TransformError
+from jgraph.ir import Graph
+from jgraph.memory import memory
+from jgraph.planner import fast, loops, validate
+from jgraph.planner.chain import Forward, stages
+from jgraph.planner.cost import recompute_flops
+from jgraph.planner.plan import Plan, with_regions
+from jgraph.planner.validate import parse_budget
+
+PLANNERS = ("auto", "exact", "fast")
+ESTIMATE_ROUNDS = 6
+XLA_RETRIES = 5
+MARGIN = 0.98  # each tightening aims this much below what was missed
+
+
+@dataclasses.dataclass
+class Problem:
+    """A joint graph without regions (in one loop mode), cut into stages."""
+
+    graph: Graph
+    forward: Forward
+    stages: list
+    stage_eqns: list
+    base: str
+    planner: object = None  # the FastPlanner (or exact planner) set up for this problem
+    base_cost: float = 0.0  # what the loop mode recomputes itself, inside loop bodies
+
+    @classmethod
+    def of(cls, graph: Graph, base: str = "loops as traced") -> Problem:
+        forward = Forward(graph)
+        cut = stages(forward)
+        return cls(graph, forward, cut, [forward.eqns[s.start:s.stop] for s in cut], base,
+                   base_cost=recompute_flops(graph))
+
+    def build(self, plan: Plan) -> Graph:
+        from jgraph.remat import apply_regions
+
+        if not plan.segments:
+            return self.graph
+        plan = dataclasses.replace(plan, keep=plan.keep | self.forward.constants)
+        return apply_regions(with_regions(self.graph, self.stage_eqns, plan))
+
+
+def problems(graph: Graph) -> dict[str, Problem]:
+    """The graph (regions stripped) in each loop mode, as problems, by mode."""
+    from jgraph.backward import backward, forward_of
+    from jgraph.remat import without_regions
+
+    plain = without_regions(graph)
+    found = {"loops as traced": Problem.of(plain)}
+    forward = forward_of(graph)
+    if forward is None or not loops.has_loops(forward):
+        return found
+    for mode, (rewritten, policy) in loops.modes(forward).items():
+        if mode != "loops as traced":
+            derived = without_regions(backward(rewritten, loop_policy=policy))
+            found[mode] = Problem.of(derived.replace(info=plain.info), mode)
+    return found
+
+
+def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
+    """See the module docstring."""
+    from jgraph.remat import without_regions
+
+    started, validate.seconds = time.perf_counter(), 0.0
+    if planner not in PLANNERS:
+        raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
+    kind, amount = parse_budget(budget)
+    plain = without_regions(graph)
+    if kind == "fraction" and amount >= 1:  # all of no remat's temp: no remat, uncompiled
+        return _reported(plain, {"planner": planner, "budget_given": budget}, "no remat",
+                         memory(plain).peak_bytes, None, 0, 0.0, started)
+    no_remat = xla_temp(plain)
+    target = int(amount) if kind == "bytes" else int(amount * no_remat)
+    report = {"planner": planner, "budget": target, "budget_given": budget,
+              "no_remat_temp": no_remat}
+    if no_remat <= target:
+        return _reported(plain, report, "no remat", memory(plain).peak_bytes, no_remat, 0, 0.0,
+                         started)
+    by_mode = problems(graph)
+    used = _used(planner, by_mode)
+    estimates = {m: memory(p.graph).peak_bytes for m, p in by_mode.items()}
+    # What XLA allocates beyond the estimate in a mode, whatever the plan (a scan's stacked
+    # gradients, layout copies): the model's target is the budget less that. Measured on the
+    # mode's graph when a plan of that mode is first chosen; until then, no remat's.
+    offset = {m: None for m in by_mode} | {"loops as traced": no_remat - estimates[
+        "loops as traced"]}
+    room = {}
+    for mode, problem in by_mode.items():
+        problem.planner = _planner(used, problem, max(estimates[mode], target))
+        least = problem.planner.smallest()
+        room[mode] = -1 if least is None else target - offset["loops as traced"] - least[0]
+    slack, fits, over, tried = 0.0, [], None, {}
+    while len(tried) <= XLA_RETRIES:
+        guess = offset["loops as traced"]
+        budgets = {m: target - (guess if o is None else o) - slack for m, o in offset.items()}
+        found = _fit_estimate(by_mode, budgets, used)
+        if found is None:
+            break
+        plan, candidate, estimate = found
+        if offset[plan.base] is None:  # calibrate this mode, then plan again
+            offset[plan.base] = xla_temp(by_mode[plan.base].graph) - estimates[plan.base]
+            continue
+        key = plan.describe()
+        if key not in tried:
+            tried[key] = xla_temp(candidate)
+        temp = tried[key]
+        if temp <= target:
+            fits.append((plan.cost, temp, plan, candidate, estimate, slack))
+            if over is None or over - slack <= 0.01 * target:
+                break
+            slack = (slack + over) / 2  # a cheaper plan may fit with less slack
+        else:
+            over = slack
+            least = min((f[5] for f in fits), default=None)
+            most = max(room.values())
+            if most < 0 or slack >= most:
+                break
+            # More slack by what XLA missed; halfway to the known fit, or to the most slack
+            # any mode can take (XLA's temp is not the estimate plus a constant).
+            slack = ((slack + least) / 2 if least is not None else
+                     min(slack + (temp - target) / MARGIN, (slack + most) / 2))
+    if not fits:  # the plans needing the least memory of each mode, before giving up
+        for plan, candidate, temp in _smallest_plans(by_mode, tried):
+            if temp <= target:
+                fits.append((plan.cost, temp, plan, candidate, memory(candidate).peak_bytes, 0))
+    if not fits:
+        raise _unreachable(target, no_remat, tried)
+    _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
+    if used == "exact":
+        exact = _exactly(by_mode[plan.base], plan, target, tried, started)
+        report["milp"] = exact[0]
+        if exact[1] is not None:
+            plan, candidate, estimate, temp = exact[1]
+    return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
+                     len(tried) - 1, recompute_flops(candidate), started)
+
+
+def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: float):
+    """(what the MILP did, (plan, graph, estimate, XLA temp) or None): the MILP's plan within
+    the model budget `plan` was found at, cheaper than `plan`, if it fits XLA's budget too."""
+    from jgraph.planner.exact import TIME_LIMIT
+
+    seconds = max(TIME_LIMIT - (time.perf_counter() - started), 5.0)
+    own = plan.cost - problem.base_cost  # what the MILP's objective counts
+    exact = problem.planner.solve(plan.peak, bound=own * (1 - 1e-6), seconds=seconds)
+    if exact is None:
+        return f"no cheaper plan than the chain DP's within {seconds:.0f} s", None
+    exact = dataclasses.replace(exact, base=plan.base, cost=exact.cost + problem.base_cost)
+    candidate = problem.build(exact)
+    estimate = memory(candidate).peak_bytes
+    if exact.describe() not in tried:
+        tried[exact.describe()] = xla_temp(candidate)
+    if tried[exact.describe()] > target:
+        return f"{exact.label}: its plan exceeds the budget on XLA", None
+    return exact.label, (exact, candidate, estimate, tried[exact.describe()])
+
+
+def _used(planner: str, by_mode: dict) -> str:
+    if planner != "auto":
+        return planner
+    from jgraph.planner.exact import small_enough
+
+    return "exact" if all(small_enough(p) for p in by_mode.values()) else "fast"
+
+
+def _fit_estimate(by_mode: dict, budgets: dict, planner: str):
+    """(plan, its graph, its estimate) with the estimate within its mode's budget (or the last
+    one tried), or None when no plan fits the model."""
+    scale, last = 1.0, None
+    for _ in range(ESTIMATE_ROUNDS):
+        plan = cheapest(by_mode, {m: b * scale for m, b in budgets.items()}, planner)
+        if plan is None:
+            return last
+        candidate = by_mode[plan.base].build(plan)
+        estimate = memory(candidate).peak_bytes
+        last = plan, candidate, estimate
+        if estimate <= budgets[plan.base]:
+            break
+        scale *= MARGIN * budgets[plan.base] / estimate
+    return last
+
+
+def _planner(used: str, problem: Problem, max_budget: float):
+    if used == "exact":
+        from jgraph.planner.exact import ExactPlanner
+
+        return ExactPlanner(problem, max_budget)
+    return fast.FastPlanner(problem.stages, max(max_budget, 1.0))
+
+
+def cheapest(by_mode: dict, budgets: dict, planner: str) -> Plan | None:
+    """The cheapest plan of any loop mode within its mode's budget (bytes of the model)."""
+    found = []
+    for mode, problem in by_mode.items():
+        if budgets[mode] > 0:
+            found += [dataclasses.replace(p, base=mode, cost=p.cost + problem.base_cost)
+                      for p in problem.planner.plans(budgets[mode])]
+    return min(found, key=lambda p: (p.cost, -len(p.keep)), default=None)
+
+
+def _smallest_plans(by_mode: dict, tried: dict):
+    """(plan, graph, XLA temp) of the plan of each mode needing the least model memory."""
+    found = []
+    for mode, problem in by_mode.items():
+        least = fast.FastPlanner(problem.stages, memory(problem.graph).peak_bytes).smallest()
+        if least is not None:
+            plan = dataclasses.replace(least[1], base=mode, cost=least[1].cost + problem.base_cost)
+            candidate = problem.build(plan)
+            if plan.describe() not in tried:
+                tried[plan.describe()] = xla_temp(candidate)
+            found.append((plan, candidate, tried[plan.describe()]))
+    return found
+
+
+def _unreachable(target: int, no_remat: int, tried: dict) -> TransformError:
+    """The error for a budget no plan meets: the smallest temp a plan reaches, and how."""
+    if not tried:
+        how = f"{no_remat} bytes, without remat"
+    else:
+        key = min(tried, key=tried.get)
+        how = f"{tried[key]} bytes, with the plan: {key}"
+    return TransformError(
+        f"remat(budget={target} bytes): no plan fits; the smallest compiled temp a plan reaches "
+        f"is {how} (no remat: {no_remat} bytes)")
+
+
+def xla_temp(graph: Graph) -> int:
+    """XLA's temp for `graph`, its compile time counted apart from the planning's."""
+    started = time.perf_counter()
+    try:
+        return validate.xla_temp(graph)
+    finally:
+        validate.seconds += time.perf_counter() - started
+
+
+def _reported(graph: Graph, report: dict, plan: str, estimate: int, temp: int, retries: int,
+              flops: float, started: float) -> Graph:
+    info = dict(graph.info, remat=dict(
+        graph.info.get("remat", {}), **report, plan=plan, estimated_peak=estimate,
+        xla_temp=temp, retries=retries, recompute_flops=flops,
+        planning_seconds=time.perf_counter() - started - validate.seconds,
+        xla_seconds=validate.seconds))
+    return graph.replace(info=info)

@@ -1,0 +1,56 @@
+"""Budgets, and what XLA allocates for a plan.
+
+A budget is a number of bytes, or a string "NN%" (a fraction of the temp XLA allocates for the
+graph's donated training step without remat). `xla_temp(graph)` compiles that donated step
+(`jgraph.memory.donated_step`) from the graph's input avals, as `jax.ShapeDtypeStruct`s, so no
+example arguments are needed, and reads `temp_size_in_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+
+from jgraph.errors import TransformError
+from jgraph.ir import Graph
+from jgraph.memory import STATE_ROLES, donated_step
+
+seconds = 0.0  # compile seconds of the current planning (`jgraph.planner.search` resets it)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+
+def parse_budget(budget) -> tuple[str, float]:
+    """("bytes", n) or ("fraction", f) from `budget`; a clear error for anything else."""
+    if isinstance(budget, str):
+        match = _PERCENT.match(budget)
+        if match is None:
+            raise TransformError(
+                f"remat(budget={budget!r}): a budget string is a percentage of the no-remat "
+                "compiled temp such as '50%' (give bytes as a number: 8 * 2**20)")
+        fraction = float(match.group(1)) / 100
+        if not 0 < fraction <= 1:
+            raise TransformError(f"remat(budget={budget!r}): a percentage budget lies in "
+                                 "(0%, 100%]")
+        return "fraction", fraction
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
+            math.isfinite(budget) and budget >= 0):
+        raise TransformError(f"remat(budget={budget!r}): the budget is a non-negative number "
+                             "of bytes (e.g. 8 * 2**20) or a percentage string such as '50%'")
+    return "bytes", float(budget)
+
+
+def abstract_step_args(graph: Graph):
+    """(state, rest) of `donated_step(graph)`'s step, as ShapeDtypeStructs."""
+    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in graph.inputs]
+    state = [s for s, r in zip(structs, graph.input_roles, strict=True) if r in STATE_ROLES]
+    rest = [s for s, r in zip(structs, graph.input_roles, strict=True) if r not in STATE_ROLES]
+    return state, rest
+
+
+def xla_temp(graph: Graph) -> int:
+    """`temp_size_in_bytes` of the compiled donated training step of `graph`."""
+    step, _ = donated_step(graph)
+    compiled = step.lower(*abstract_step_args(graph)).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)

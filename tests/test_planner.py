@@ -1,0 +1,282 @@
+"""jg.remat(graph, budget=...): the compiled donated step fits the budget (XLA's temp, compiled
+again here from real arguments), gradients equal no remat's (bitwise under jg.evaluate, a few ulp
+compiled, and jax.value_and_grad), plans are ordinary graphs, and bad budgets are clear errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jgraph as jg
+from jgraph.errors import TransformError
+
+F32 = jnp.float32
+
+
+def joint(fn, *args):
+    return jg.backward(jg.trace(fn, *args, param_argnums=0))
+
+
+def chain(layers=12, width=64, batch=256, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), layers + 1)
+    params = [(jax.random.normal(k, (width, width), F32) * width**-0.5, jnp.zeros((width,), F32))
+              for k in keys[:-1]]
+    x = jax.random.normal(keys[-1], (batch, width), F32)
+
+    def loss(ps, h):
+        for w, b in ps:
+            h = jnp.tanh(h @ w + b)
+        return jnp.mean(h * h)
+
+    return loss, (params, x)
+
+
+def assert_same_gradients(gb, gr, fn, args, evaluate=True):
+    """Bitwise under jg.evaluate; compiled within a few ulp of no remat and close to JAX."""
+    jg.check(gr)
+    if evaluate:
+        for a, b in zip(jax.tree.leaves(jg.evaluate(gr, *args)),
+                        jax.tree.leaves(jg.evaluate(gb, *args)), strict=True):
+            np.testing.assert_array_equal(a, b)
+    got, want = jg.compile(gr)(*args), jg.compile(gb)(*args)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=4)
+    ref = jax.value_and_grad(fn)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def recompute_eqns(graph):
+    return [e for e in graph.eqns if "recompute" in e.tags]
+
+
+@pytest.fixture(scope="module")
+def chain_joint():
+    fn, args = chain()
+    return fn, args, joint(fn, *args)
+
+
+@pytest.mark.parametrize("budget", ["45%"])
+def test_a_fraction_budget_fits_the_compiled_step(chain_joint, budget):
+    fn, args, gb = chain_joint
+    gr = jg.remat(gb, budget=budget, planner="fast")
+    report = gr.info["remat"]
+    no_remat = jg.compiled_memory(gb, *args).temp_bytes
+    assert report["no_remat_temp"] == no_remat
+    allowed = float(budget.rstrip("%")) / 100 * no_remat
+    assert report["budget"] == int(allowed)
+    assert jg.compiled_memory(gr, *args).temp_bytes == report["xla_temp"] <= allowed
+    assert report["estimated_peak"] == jg.memory(gr).peak_bytes
+    assert report["recompute_flops"] > 0 and recompute_eqns(gr) and gr.regions
+    assert {"planner", "used", "retries", "plan", "planning_seconds", "xla_seconds"} <= set(report)
+    assert report["planner"] == "fast" and report["used"] == "fast"
+    assert_same_gradients(gb, gr, fn, args)
+
+
+def test_a_plan_is_an_ordinary_graph_with_regions_and_recompute(chain_joint):
+    """Regions whose policy saves the kept values, as printed; apply_regions made the rest."""
+    fn, args, gb = chain_joint
+    gr = jg.remat(gb, budget="45%", planner="fast")
+    text = str(gr)
+    assert "no_cse, recompute" in text
+    assert re.search(r"# region \d+: checkpoint\(planned stages \d+-\d+, policy=planned\(", text)
+    assert all(isinstance(r.policy, jg.policies.SaveValues) for r in gr.regions)
+    assert str(jg.remat(gr)) == str(gr)  # its regions are the plan: applying them changes nothing
+
+
+def test_a_bytes_budget_fits_and_more_budget_recomputes_less(chain_joint):
+    fn, args, gb = chain_joint
+    no_remat = jg.compiled_memory(gb, *args).temp_bytes
+    tight = jg.remat(gb, budget=int(0.45 * no_remat), planner="fast")
+    loose = jg.remat(gb, budget=int(0.7 * no_remat), planner="fast")
+    assert jg.compiled_memory(tight, *args).temp_bytes <= int(0.45 * no_remat)
+    assert jg.compiled_memory(loose, *args).temp_bytes <= int(0.7 * no_remat)
+    assert loose.info["remat"]["recompute_flops"] <= tight.info["remat"]["recompute_flops"]
+
+
+def test_a_budget_no_remat_meets_changes_nothing(chain_joint):
+    _, args, gb = chain_joint
+    for budget in (1 << 30, "100%"):
+        gr = jg.remat(gb, budget=budget)
+        assert not recompute_eqns(gr) and gr.regions == ()
+        assert [e.op for e in gr.eqns] == [e.op for e in gb.eqns]
+        assert gr.info["remat"]["plan"] == "no remat"
+
+
+def test_a_budget_below_every_plan_names_the_smallest_temp_and_its_plan(chain_joint):
+    _, args, gb = chain_joint
+    with pytest.raises(TransformError, match="no plan fits") as error:
+        jg.remat(gb, budget=4096, planner="fast")
+    message = str(error.value)
+    smallest = int(re.search(r"the smallest compiled temp a plan reaches is (\d+) bytes",
+                             message).group(1))
+    assert "with the plan: " in message and "segments" in message
+    assert 4096 < smallest < jg.compiled_memory(gb, *args).temp_bytes
+    gr = jg.remat(gb, budget=smallest, planner="fast")  # that temp is reachable
+    assert jg.compiled_memory(gr, *args).temp_bytes <= smallest
+
+
+@pytest.mark.parametrize("budget,match", [
+    ("50", "percentage"), ("-5%", "percentage"), ("abc", "percentage"), ("0%", r"\(0%, 100%\]"),
+    ("150%", r"\(0%, 100%\]"), (-1, "non-negative number"), (float("nan"), "non-negative"),
+    (True, "non-negative"), ([1], "non-negative"), (float("inf"), "non-negative")])
+def test_bad_budgets_are_clear_errors(chain_joint, budget, match):
+    with pytest.raises(TransformError, match=match):
+        jg.remat(chain_joint[2], budget=budget)
+
+
+def test_bad_planner_names_are_clear_errors(chain_joint):
+    gb = chain_joint[2]
+    with pytest.raises(TransformError, match=r"one of \('auto', 'exact', 'fast'\)"):
+        jg.remat(gb, budget="50%", planner="best")
+    with pytest.raises(TransformError, match="give budget= too"):
+        jg.remat(gb, planner="fast")
+
+
+KEEP = jnp.asarray(int(0.9 * 2**32), jnp.uint32)
+
+
+def test_a_budget_plan_on_a_graph_carrying_prng_keys():
+    """Dropout's keys are sized by their key data, and random bits are replayed from them."""
+    def loss(ws, x, key):
+        h = x
+        for w, k in zip(ws, jax.random.split(key, len(ws)), strict=True):
+            h = jnp.tanh(h @ w)
+            h = jnp.where(jax.random.bits(k, h.shape) < KEEP, h, jnp.zeros_like(h))
+        return jnp.mean(h * h)
+
+    ws = [jnp.eye(32, dtype=F32) * 0.5 + 0.01 * i for i in range(4)]
+    args = (ws, jnp.ones((64, 32), F32), jax.random.key(0))
+    gb = joint(loss, *args)
+    gr = jg.remat(gb, budget="75%", planner="fast")
+    assert jg.compiled_memory(gr, *args).temp_bytes <= gr.info["remat"]["budget"]
+    assert any(e.op == "random_bits" for e in recompute_eqns(gr))
+    assert_same_gradients(gb, gr, loss, args)
+
+
+def scanned(layers, width=32, batch=256):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    params = {"w": jax.random.normal(k1, (layers, width, width), F32) * width**-0.5,
+              "b": jnp.zeros((layers, width), F32)}
+    x = jax.random.normal(k2, (batch, width), F32)
+
+    def loss(p, h):
+        return jnp.mean(lax.scan(lambda h, q: (jnp.tanh(h @ q["w"] + q["b"]), None), h, p)[0] ** 2)
+
+    return loss, (params, x)
+
+
+def test_a_scanned_model_fits_a_budget_per_layer_checkpointing_cannot_reach():
+    """A 64-layer scan: per-layer checkpointing (its body keeps only its inputs) stacks 64
+    carries; the planner splits the scan into nested scans, which keep about 2 sqrt(64)."""
+    fn, args = scanned(64)
+    gb = joint(fn, *args)
+    per_layer = jg.compiled_memory(jg.remat(gb, policy=jg.policies.nothing_saveable),
+                                   *args).temp_bytes
+    budget = int(0.7 * per_layer)
+    gr = jg.remat(gb, budget=budget, planner="fast")
+    assert jg.compiled_memory(gr, *args).temp_bytes <= budget
+    assert "split" in gr.info["remat"]["plan"]
+    scans = [e for e in gr.eqns if e.op == "scan" and "backward" not in e.tags]
+    assert scans and all(any(x.op == "scan" for x in e.params["body"].eqns) for e in scans)
+    assert_same_gradients(gb, gr, fn, args, evaluate=False)  # evaluating scans eagerly is slow
+
+
+@pytest.mark.slow
+def test_a_split_scan_is_bitwise_under_evaluate():
+    fn, args = scanned(16, width=16, batch=256)
+    gb = joint(fn, *args)
+    per_layer = jg.compiled_memory(jg.remat(gb, policy=jg.policies.nothing_saveable),
+                                   *args).temp_bytes
+    gr = jg.remat(gb, budget=per_layer - 1, planner="fast")
+    assert "split" in gr.info["remat"]["plan"]
+    assert_same_gradients(gb, gr, fn, args)
+
+
+def residual_blocks(n=6, width=32, hidden=128, batch=64):
+    keys = jax.random.split(jax.random.PRNGKey(5), 2 * n + 1)
+    ps = [(jax.random.normal(keys[2 * i], (width, hidden), F32) * width**-0.5,
+           jax.random.normal(keys[2 * i + 1], (hidden, width), F32) * hidden**-0.5)
+          for i in range(n)]
+
+    def loss(ps, h):
+        for w1, w2 in ps:
+            h = h + jnp.tanh(h @ w1) @ w2
+        return jnp.mean(h * h)
+
+    return loss, (ps, jax.random.normal(keys[-1], (batch, width), F32))
+
+
+def test_the_exact_planner_solves_its_milp_and_fits():
+    fn, args = residual_blocks()
+    gb = joint(fn, *args)
+    gr = jg.remat(gb, budget="60%", planner="exact")
+    report = gr.info["remat"]
+    assert report["used"] == "exact" and report["milp"].startswith(("MILP", "no cheaper plan"))
+    assert jg.compiled_memory(gr, *args).temp_bytes <= report["budget"]
+    fast_plan = jg.remat(gb, budget="60%", planner="fast").info["remat"]
+    assert report["recompute_flops"] <= fast_plan["recompute_flops"] * (1 + 1e-6)
+    assert_same_gradients(gb, gr, fn, args)
+
+
+def test_auto_plans_small_graphs_exactly_and_large_ones_fast():
+    from jgraph.planner.search import _used, problems
+
+    fn, args = residual_blocks(n=3)
+    small = problems(joint(fn, *args))
+    assert _used("auto", small) == "exact" and _used("fast", small) == "fast"
+    fn, args = chain(layers=120, width=16, batch=64)
+    gb = joint(fn, *args)
+    assert len(gb.eqns) > 500
+    assert _used("auto", problems(gb)) == "fast"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", ["90%", "70%"])
+def test_real_models_fit_their_budget_or_say_what_the_least_is(fraction):
+    """Every model of tests/real_models.py (flax, haiku, equinox): a plan whose compiled step
+    fits the budget with no remat's gradients, or an error naming a temp above the budget."""
+    from tests.real_models import MODELS
+
+    for model in MODELS:
+        fn, args = model.built
+        gb = jg.backward(jg.trace(fn, *args, param_argnums=0, has_aux=model.has_aux))
+        try:
+            gr = jg.remat(gb, budget=fraction, planner="fast")
+        except TransformError as error:
+            least = int(re.search(r"reaches is (\d+) bytes", str(error)).group(1))
+            budget = int(re.search(r"remat\(budget=(\d+) bytes\)", str(error)).group(1))
+            assert least > budget, model.name
+            continue
+        assert jg.compiled_memory(gr, *args).temp_bytes <= gr.info["remat"]["budget"]
+        for a, b in zip(jax.tree.leaves(jg.evaluate(gr, *args)),
+                        jax.tree.leaves(jg.evaluate(gb, *args)), strict=True):
+            np.testing.assert_array_equal(as_numpy(a), as_numpy(b), err_msg=model.name)
+
+
+def as_numpy(x):
+    """`x` as a numpy array; a PRNG key array as its key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def test_a_budget_plans_a_graph_with_its_optimizer_step():
+    """The optimizer's eqns after the backward are no part of the forward the planner plans: the
+    planned step updates the params and the optimizer state as the unplanned one does."""
+    import optax
+
+    fn, args = chain(layers=8)
+    tx = optax.adam(1e-2)
+    go = jg.optimizer_step(joint(fn, *args), tx)
+    gr = jg.remat(go, budget="60%", planner="fast")
+    assert jg.compiled_memory(gr, *args, tx.init(args[0])).temp_bytes <= gr.info["remat"]["budget"]
+    first = next(i for i, e in enumerate(gr.eqns) if "backward" in e.tags)
+    assert not any(e.regions for e in gr.eqns[first:])
+    state = tx.init(args[0])
+    for a, b in zip(jax.tree.leaves(jg.evaluate(gr, *args, state)),
+                    jax.tree.leaves(jg.evaluate(go, *args, state)), strict=True):
+        np.testing.assert_array_equal(a, b)
