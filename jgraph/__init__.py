@@ -11,7 +11,7 @@ from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
 from jgraph.dot import to_dot
 from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad  # and jg.vjp
-from jgraph.errors import GraphError, JGraphError, TraceError, TransformError
+from jgraph.errors import BudgetWarning, GraphError, JGraphError, TraceError, TransformError
 from jgraph.interpreter import Interpreter, evaluate
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.lower import compile
@@ -33,7 +33,7 @@ from jgraph.training import (
 
 __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
-    "TransformError", "Var", "backward", "check", "compile", "evaluate", "trace",
+    "TransformError", "BudgetWarning", "Var", "backward", "check", "compile", "evaluate", "trace",
     "testing", "to_jax", "config",
     "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
     "to_dot",

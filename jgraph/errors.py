@@ -25,6 +25,11 @@ class TransformError(JGraphError):
     """A transform cannot be applied (a missing rule, a bad loss, no params, ...)."""
 
 
+class BudgetWarning(UserWarning):
+    """`jg.remat(budget="NN%")`: no plan reaches that share of no remat's temp; the plan that
+    needs the least memory is returned instead (the warning names both figures)."""
+
+
 @contextlib.contextmanager
 def while_processing(what: str, eqn, graph=None, error=None):
     """Context naming `eqn` (and the user's line) in any error raised inside it."""

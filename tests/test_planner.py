@@ -119,6 +119,38 @@ def test_a_budget_below_every_plan_names_the_smallest_temp_and_its_plan(chain_jo
     assert jg.compiled_memory(gr, *args).temp_bytes <= smallest
 
 
+def test_a_percentage_no_plan_reaches_returns_the_least_plan_with_a_warning(chain_joint):
+    """A byte budget is a hard limit (above: an error); a percentage is a share of the graph's own
+    temp, so when no plan reaches it the plan reaching the least is returned, and a warning names
+    both figures."""
+    fn, args, gb = chain_joint
+    no_remat = jg.compiled_memory(gb, *args).temp_bytes
+    with pytest.warns(jg.BudgetWarning, match=r"no plan reaches \d+ bytes; returning the "
+                      r"smallest compiled temp a plan reaches, \d+ bytes, with the plan: "):
+        gr = jg.remat(gb, budget="1%", planner="fast")
+    report = gr.info["remat"]
+    assert report["unmet"] and report["budget"] == int(0.01 * no_remat)
+    assert report["budget"] < report["xla_temp"] == jg.compiled_memory(gr, *args).temp_bytes
+    assert report["xla_temp"] < no_remat
+    assert_same_gradients(gb, gr, fn, args)
+
+
+def test_a_tiny_graph_nothing_lowers_keeps_no_remat_with_a_warning():
+    """Parameters and gradients alone set the temp of a two-layer MLP on 2 rows: no plan lowers
+    it, so "50%" returns the graph without remat (and says so)."""
+    def mlp(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+    args = ({"w1": jnp.full((3, 4), 0.1), "w2": jnp.full((4, 2), 0.2)},
+            jnp.arange(6.0).reshape(2, 3) / 6)
+    gb = joint(mlp, *args)
+    for planner in ("exact", "fast"):
+        with pytest.warns(jg.BudgetWarning, match="without remat"):
+            gr = jg.remat(gb, budget="50%", planner=planner)
+        assert gr.info["remat"]["plan"] == "no remat"
+        assert_same_gradients(gb, gr, mlp, args)
+
+
 @pytest.mark.parametrize("budget,match", [
     ("50", "percentage"), ("-5%", "percentage"), ("abc", "percentage"), ("0%", r"\(0%, 100%\]"),
     ("150%", r"\(0%, 100%\]"), (-1, "non-negative number"), (float("nan"), "non-negative"),

@@ -14,8 +14,9 @@
    (at most halfway to what any mode can take); when a plan fits after a miss, the slack shrinks
    halfway back, in case a cheaper plan fits too (`XLA_RETRIES` compiles at most). A plan is
    returned only when XLA's temp is within the budget: never one above no remat.
-6. Before giving up, each mode's plan needing the least memory is compiled; if none fits, a
-   TransformError states the smallest temp a plan reaches and that plan.
+6. Before giving up, each mode's plan needing the least memory is compiled; if none fits a byte
+   budget, a TransformError states the smallest temp a plan reaches and that plan; for a
+   percentage, that plan is returned with a `BudgetWarning` saying so (`info["remat"]["unmet"]`).
 7. The exact planner then solves its MILP at the model budget of the plan found, for a cheaper
    plan (per-stage keep sets, no memory discretization), within what is left of its time limit;
    a cheaper plan that fits XLA's budget replaces it (`info["remat"]["milp"]` says what happened).
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
-from jgraph.errors import TransformError
+from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph
 from jgraph.memory import memory
 from jgraph.planner import fast, loops, validate
@@ -153,9 +155,12 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
             slack = ((slack + least) / 2 if least is not None else
                      min(slack + (temp - target) / MARGIN, (slack + most) / 2))
     if not fits:  # the plans needing the least memory of each mode, before giving up
-        for plan, candidate, temp in _smallest_plans(by_mode, tried):
+        smallest = _smallest_plans(by_mode, tried)
+        for plan, candidate, temp in smallest:
             if temp <= target:
                 fits.append((plan.cost, temp, plan, candidate, memory(candidate).peak_bytes, 0))
+        if not fits and kind == "fraction":
+            return _least(plain, smallest, report | {"used": used}, budget, tried, started)
     if not fits:
         raise _unreachable(target, no_remat, tried)
     _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
@@ -243,6 +248,26 @@ def _smallest_plans(by_mode: dict, tried: dict):
                 tried[plan.describe()] = xla_temp(candidate)
             found.append((plan, candidate, tried[plan.describe()]))
     return found
+
+
+def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
+           started: float) -> Graph:
+    """A percentage no plan reaches: the plan reaching the least temp (no remat when none
+    lowers it), with a `BudgetWarning` naming both figures. A byte budget is a hard limit (the
+    memory a device has) and is an error instead; a percentage is a share of this graph's own
+    temp, which on a small graph (parameters and gradients alone) nothing lowers."""
+    no_remat = report["no_remat_temp"]
+    plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, no_remat))
+    if temp >= no_remat:
+        plan, candidate, temp = None, plain, no_remat
+    how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
+    warnings.warn(
+        f"remat(budget={budget!r}): no plan reaches {report['budget']} bytes; returning the "
+        f"smallest compiled temp a plan reaches, {temp} bytes, {how} (no remat: {no_remat} "
+        "bytes)", BudgetWarning, stacklevel=4)
+    return _reported(candidate, report | {"unmet": True}, "no remat" if plan is None else
+                     plan.describe(), memory(candidate).peak_bytes, temp, len(tried) - 1,
+                     0.0 if plan is None else recompute_flops(candidate), started)
 
 
 def _unreachable(target: int, no_remat: int, tried: dict) -> TransformError:
