@@ -10,7 +10,7 @@ from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
 from jgraph.dot import to_dot
-from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad  # and jg.vjp
+from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad, vjp
 from jgraph.errors import BudgetWarning, GraphError, JGraphError, TraceError, TransformError
 from jgraph.interpreter import Interpreter, evaluate
 from jgraph.ir import Eqn, Graph, Literal, Region, Var

@@ -2,7 +2,7 @@
 
 A value needs a gradient iff it is floating and lies on a path from a `param` input to the `loss`
 output. Walking the schedule in reverse, each eqn with a cotangent on an output and an input that
-needs a gradient emits the eqns of its VJP rule (`jgraph.vjp`), tagged `backward`. Fan-out
+needs a gradient emits the eqns of its VJP rule (`jgraph.vjp_rules`), tagged `backward`. Fan-out
 cotangents are summed. The loss cotangent (the seed) is 1, or the `loss_seed` input when the graph
 has one; the result records it as `info["loss_seed"]`, so that `jgraph.training.accumulate` scales
 the gradients by scaling the seed (the backward pass is linear in it). Accumulating gradients over
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgraph import _jax_internals as internals
-from jgraph import errors, vjp
+from jgraph import errors, vjp_rules
 from jgraph.builder import Builder
 from jgraph.check import validate
 from jgraph.errors import TransformError
@@ -31,7 +31,7 @@ def active_values(graph: Graph, active_inputs) -> set[Var]:
     """Floating variables that depend on one of `active_inputs` (a forward sweep)."""
     active = {v for v in active_inputs if _floating(v.aval.dtype)}
     for eqn in graph.eqns:
-        if eqn.op in vjp.CUTS_GRADIENT:
+        if eqn.op in vjp_rules.CUTS_GRADIENT:
             continue
         if any(type(a) is Var and a in active for a in eqn.inputs):
             active.update(v for v in eqn.outputs if _floating(v.aval.dtype))
@@ -42,7 +42,7 @@ def useful_values(graph: Graph, targets) -> set[Var]:
     """Variables some of `targets` depend on (a backward sweep)."""
     useful = {a for a in targets if type(a) is Var}
     for eqn in reversed(graph.eqns):
-        if eqn.op not in vjp.CUTS_GRADIENT and any(v in useful for v in eqn.outputs):
+        if eqn.op not in vjp_rules.CUTS_GRADIENT and any(v in useful for v in eqn.outputs):
             useful.update(a for a in eqn.inputs if type(a) is Var)
     return useful
 
@@ -179,15 +179,15 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policies=()):
     schedule in reverse and emit each eqn's VJP rule; return (cotangents of the graph's inputs and
     of whatever they reached, {var: ct atom}; the forward eqns; the backward eqns).
 
-    Control flow is first linearized (`jgraph.vjp.loops.linearize`): a loop or a cond on
+    Control flow is first linearized (`jgraph.vjp_rules.loops.linearize`): a loop or a cond on
     the gradient path is replaced in the forward by one that also returns the residuals its
     backward reads, so the forward eqns returned may differ from `graph.eqns`."""
-    forward, linearized = vjp.loops.linearize(graph, needs, loop_policies)
+    forward, linearized = vjp_rules.loops.linearize(graph, needs, loop_policies)
     b = Builder(tags={"backward"})
     cts: dict[Var, object] = {}
 
     def add_ct(v, ct):
-        cts[v] = ct if v not in cts else b.call(vjp.add_cotangents, cts[v], ct)[0]
+        cts[v] = ct if v not in cts else b.call(vjp_rules.add_cotangents, cts[v], ct)[0]
 
     for v, ct in seeds:
         add_ct(v, ct)
@@ -201,9 +201,9 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policies=()):
         needed = [type(x) is Var and x in needs for x in eqn.inputs]
         with errors.while_processing("differentiating", eqn, graph):
             if eqn in linearized:
-                in_cts = vjp.loops.transpose(b, eqn, linearized[eqn], out_cts, needed)
+                in_cts = vjp_rules.loops.transpose(b, eqn, linearized[eqn], out_cts, needed)
             else:
-                in_cts = vjp.apply_rule(b, eqn, out_cts, needed)
+                in_cts = vjp_rules.apply_rule(b, eqn, out_cts, needed)
         for ct, x in zip(in_cts, eqn.inputs, strict=True):
             if ct is not None and type(x) is Var and x in needs:
                 add_ct(x, ct)

@@ -12,7 +12,7 @@ and `lax.map` are scans, as JAX binds them), with their jaxprs traced into `Grap
 builder, so every transform can recurse into them. A sub-graph's inputs have the role `data` and
 its outputs `aux`: roles are a top-level notion. Lowering runs the same interpreter loop on a body
 inside `lax.scan` / `lax.switch` / `lax.while_loop` (`interpret(graph, *values) -> outputs`), so a
-loop stays a loop in XLA. VJP rules: `jgraph.vjp.loops`.
+loop stays a loop in XLA. VJP rules: `jgraph.vjp_rules.loops`.
 """
 
 from __future__ import annotations

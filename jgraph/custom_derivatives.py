@@ -4,7 +4,7 @@ custom_jvp. The tracer inlines the primal body (so the forward is unchanged, bit
 by one `custom_jvp_call` op that takes the call's closed-over values, its primal inputs and the
 body's outputs, and returns those outputs unchanged. The backward pass reaches the body's values
 only through that op, whose VJP is the user's JVP rule linearized and transposed
-(`jgraph.vjp.custom`): `jax.nn.relu'(0)` is 0 and `softplus'(0)` is 1/2, as in JAX.
+(`jgraph.vjp_rules.custom`): `jax.nn.relu'(0)` is 0 and `softplus'(0)` is 1/2, as in JAX.
 
 custom_vjp. The tracer emits, as JAX does under differentiation, the eqns of the user's fwd (primal
 outputs and residuals), followed by one `custom_vjp_call` op that takes the primal inputs, the
@@ -13,7 +13,7 @@ unchanged. Its VJP calls the user's bwd on (residuals, output cotangents), so no
 through fwd's own eqns (they only feed the op residuals).
 
 Closed-over values (`num_consts`) get no cotangent from the user's rules: one that needs a gradient
-is an error, as in JAX, never a silent zero (`jgraph.vjp.undifferentiable_inputs`).
+is an error, as in JAX, never a silent zero (`jgraph.vjp_rules.undifferentiable_inputs`).
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def expanded_custom_eqns(graph: Graph) -> frozenset:
 def _walk(graph: Graph, perturbed_in, late_in, found: set):
     """Propagate (perturbed by a param, computed by the backward) through `graph`; returns the
     flags of its outputs."""
-    from jgraph.vjp import CUTS_GRADIENT, NON_DIFFERENTIABLE
+    from jgraph.vjp_rules import CUTS_GRADIENT, NON_DIFFERENTIABLE
 
     constant = NON_DIFFERENTIABLE | CUTS_GRADIENT  # outputs no param perturbs
     perturbed = {v for v, f in zip(graph.inputs, perturbed_in, strict=True) if f}

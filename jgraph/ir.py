@@ -56,7 +56,7 @@ Atom = Union[Var, Literal]
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Eqn:
-    op: str  # name of the op; its rules live in the tables of `jgraph.ops`, `jgraph.vjp`, ...
+    op: str  # name of the op; its rules live in the tables of `jgraph.ops`, `jgraph.vjp_rules`, ...
     inputs: tuple[Atom, ...]  # operands
     params: Mapping[str, Any]  # static parameters of the op (the JAX primitive's params)
     outputs: tuple[Var, ...]  # results, each defined exactly once in a graph

@@ -3,7 +3,7 @@
 Most ops are JAX primitives, and for them both rules come from the primitive itself: the shape rule
 is the primitive's abstract evaluation, the lowering binds it. That keeps jgraph's forward semantics
 identical to JAX's (bitwise on CPU). Ops that are not JAX primitives (jgraph's own, such as
-`custom_vjp_call`) register explicit rules with `defop`. VJP rules live in `jgraph.vjp`.
+`custom_vjp_call`) register explicit rules with `defop`. VJP rules live in `jgraph.vjp_rules`.
 
     shape_rule(*in_avals, **params) -> list of out avals
     lowering(*in_values, **params)  -> list of out values (works on arrays and on JAX tracers)

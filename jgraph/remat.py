@@ -20,9 +20,10 @@ Policies. A region's policy is asked about every forward eqn inside it, inner re
 with `policy=`, one more region holds the whole forward. (JAX asks an outer policy about an inner
 `remat` as a whole, not about its eqns; for everything/nothing-saveable the two agree.) A policy
 sees through loops: a region's policy that saves something inside a `scan` or `cond` was applied
-inside its bodies when `jgraph.backward` linearized it (`jgraph.vjp.loops.pushed_policies`), and the
-loop left the region; a region whose policy saves nothing inside recomputes the loop whole, and
-the copy computes only the outputs the backward reads.
+inside its bodies when `jgraph.backward` linearized it
+(`jgraph.vjp_rules.loops.pushed_policies`), and the loop left the region; a region whose policy
+saves nothing inside recomputes the loop whole, and the copy computes only the outputs the
+backward reads.
 
 Recompute is demand driven: a copy is emitted just before the first eqn that reads it, so nothing
 is recomputed that no backward eqn reads. Copies are tagged `recompute` (and `no_cse` when the

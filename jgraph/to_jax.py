@@ -1,17 +1,18 @@
 """`to_jax`: a graph -> a plain JAX function in which every op is a `jax.custom_vjp`.
 
 Each eqn with a floating output is lowered as a `jax.custom_vjp` whose forward is the op's lowering
-and whose backward is jgraph's VJP rule for the op (`jgraph.vjp`). So `jax.grad(to_jax(graph))`
-runs jgraph's rules under JAX's autodiff, and can be compared with `jgraph.backward`. Ops with no
-floating output, or in NON_DIFFERENTIABLE, are bound as they are (JAX gives them zero gradients).
-A differentiable op without a rule raises `TransformError` when JAX differentiates it.
+and whose backward is jgraph's VJP rule for the op (`jgraph.vjp_rules`). So
+`jax.grad(to_jax(graph))` runs jgraph's rules under JAX's autodiff, and can be compared with
+`jgraph.backward`. Ops with no floating output, or in NON_DIFFERENTIABLE, are bound as they are
+(JAX gives them zero gradients). A differentiable op without a rule raises `TransformError` when
+JAX differentiates it.
 """
 
 from __future__ import annotations
 
 import jax
 
-from jgraph import ops, vjp
+from jgraph import ops, vjp_rules
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
 from jgraph.custom_lowering import RULE_IN_LOWERING, expanded_custom_eqns
@@ -39,7 +40,7 @@ def _with_rule(eqn: Eqn):
 
     def bwd(res, cts):
         xs, outs = res
-        rule = vjp.vjp_rules.get(eqn.op)
+        rule = vjp_rules.vjp_rules.get(eqn.op)
         if rule is None:
             raise TransformError(f"no VJP rule for op {eqn.op!r}, which is on the gradient path"
                                  + (f" at {eqn.source}" if eqn.source else ""))
@@ -56,7 +57,7 @@ def _needs_rule(eqn: Eqn) -> bool:
     """Ops run through their rule; a control-flow op is lowered as itself (lax.scan, ...) with
     its body run by this same interpreter, so JAX differentiates the loop through its body's
     custom_vjp ops; an op whose lowering carries the user's rule is lowered as itself."""
-    return (eqn.op not in vjp.NON_DIFFERENTIABLE and eqn.op not in vjp.CUTS_GRADIENT
+    return (eqn.op not in vjp_rules.NON_DIFFERENTIABLE and eqn.op not in vjp_rules.CUTS_GRADIENT
             and eqn.op not in HIGHER_ORDER and eqn.op not in RULE_IN_LOWERING
             and any(is_float(v.aval) for v in eqn.outputs))
 

@@ -17,7 +17,7 @@ from jax import lax
 from models import BY_NAME, MODELS
 
 import jgraph as jg
-from jgraph import vjp
+from jgraph import vjp_rules
 from jgraph.lower import as_function
 
 # Models whose gradients are not bitwise JAX's, and why (none: loops stay loops, as in JAX).
@@ -85,7 +85,7 @@ def test_a_wrong_rule_is_caught_by_check_grads_and_seen_by_to_jax(monkeypatch):
 
     x = jnp.linspace(0.1, 1.0, 5)
     jg.testing.check_grads(f, (x,), order=2)
-    monkeypatch.setitem(vjp.vjp_rules, "sin", _wrong_sin_rule)
+    monkeypatch.setitem(vjp_rules.vjp_rules, "sin", _wrong_sin_rule)
     with pytest.raises(AssertionError, match="order-1 derivative"):
         jg.testing.check_grads(f, (x,), order=1)
     g = jg.trace(f, x)

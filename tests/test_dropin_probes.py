@@ -564,8 +564,9 @@ def test_a_recursive_loss_and_a_dead_function_are_not_kept():
 
 # -- not yet as JAX: other engineers' areas ---------------------------------------------------
 @pytest.mark.xfail(strict=True, reason="weak types: convert_element_type's VJP drops the weak "
-                   "type (jgraph/vjp/elementwise.py) and a weak literal runs as a numpy scalar "
-                   "(jgraph/interpreter.py), so x * 2.0 of a Python float is strong; JAX keeps it")
+                   "type (jgraph/vjp_rules/elementwise.py) and a weak literal runs as a numpy "
+                   "scalar (jgraph/interpreter.py), so x * 2.0 of a Python float is strong; JAX "
+                   "keeps it")
 def test_python_float_param_gets_a_weakly_typed_gradient():
     fn = lambda x: jnp.sum(x ** 2)  # noqa: E731
     assert jg.grad(fn)(2.0).weak_type == jax.grad(fn)(2.0).weak_type is True

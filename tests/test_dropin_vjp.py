@@ -146,10 +146,11 @@ def test_vjp_errors_are_jaxs(name):
     assert isinstance(ours.value, builtin)
 
 
-def test_jgraph_vjp_is_still_the_rules_package():
-    from jgraph import vjp
+def test_jg_vjp_is_the_transform_and_the_rules_live_in_vjp_rules():
+    import jgraph
+    from jgraph import vjp, vjp_rules
 
-    assert vjp is jg.vjp and "tanh" in vjp.vjp_rules and callable(jg.vjp)
+    assert vjp is jg.vjp is jgraph.dropin.vjp and "tanh" in vjp_rules.vjp_rules
 
 
 # -- equinox's filter semantics ------------------------------------------------------------------

@@ -27,7 +27,7 @@ from op_families import (
 )
 
 import jgraph as jg
-from jgraph import ops, vjp
+from jgraph import ops, vjp_rules
 from jgraph.errors import TransformError
 from jgraph.lower import as_function
 
@@ -83,7 +83,7 @@ def test_every_rule_has_a_family():
     by_id = {case.id: case for case in CASES}
     for case_id in HIGHER_ORDER.values():
         assert by_id[case_id].order == 3
-    missing = set(vjp.vjp_rules) - covered - set(ALIASES) - set(HIGHER_ORDER) - SHARD_MAP_ONLY
+    missing = set(vjp_rules.vjp_rules) - covered - set(ALIASES) - set(HIGHER_ORDER) - SHARD_MAP_ONLY
     assert not missing, f"ops with a VJP rule but no gradient family: {sorted(missing)}"
     assert not set(ALIASES) & set(ops.primitives), "an alias names a real primitive"
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jgraph as jg
-from jgraph import ops, vjp
+from jgraph import ops, vjp_rules
 from jgraph.lower import as_function
 
 
@@ -355,7 +355,8 @@ OP_SET = sorted({s.op for s in SPECS} | {
 def test_registry_complete(op):
     assert op in ops.shape_rules, f"no shape rule for {op}"
     assert op in ops.lowerings, f"no lowering for {op}"
-    assert op in vjp.vjp_rules or op in vjp.NON_DIFFERENTIABLE, f"{op}: no VJP rule, not marked"
+    assert op in vjp_rules.vjp_rules or op in vjp_rules.NON_DIFFERENTIABLE, \
+        f"{op}: no VJP rule, not marked"
 
 
 def test_every_registered_op_is_differentiable_or_says_why_not():
@@ -363,19 +364,20 @@ def test_every_registered_op_is_differentiable_or_says_why_not():
     (zero gradient, as in JAX), or is in the documented NO_VJP_RULE set."""
     for op in ops.shape_rules:
         assert op in ops.lowerings, f"{op}: a shape rule but no lowering"
-        kinds = [op in vjp.vjp_rules or op in vjp.loops.TRANSPOSED,
-                 op in vjp.NON_DIFFERENTIABLE | vjp.CUTS_GRADIENT, op in vjp.NO_VJP_RULE]
+        kinds = [op in vjp_rules.vjp_rules or op in vjp_rules.loops.TRANSPOSED,
+                 op in vjp_rules.NON_DIFFERENTIABLE | vjp_rules.CUTS_GRADIENT,
+                 op in vjp_rules.NO_VJP_RULE]
         assert sum(kinds) == 1, f"{op}: rule / non-differentiable / NO_VJP_RULE = {kinds}"
 
 
-@pytest.mark.parametrize("op", sorted(vjp.NO_VJP_RULE))
+@pytest.mark.parametrize("op", sorted(vjp_rules.NO_VJP_RULE))
 def test_an_op_without_a_rule_on_the_gradient_path_is_an_error_saying_why(op):
     from jgraph.builder import Builder
 
     aval = jax.core.ShapedArray((2,), np.dtype("float32"))
     eqn = jg.Eqn(op, (jg.Var(aval),), {}, (jg.Var(aval),), source="model.py:7 (f)")
     with pytest.raises(jg.TransformError, match=rf"no VJP rule for op '{op}': .+ at model.py:7"):
-        vjp.apply_rule(Builder(), eqn, [eqn.outputs[0]])
+        vjp_rules.apply_rule(Builder(), eqn, [eqn.outputs[0]])
 
 
 def test_special_function_without_a_rule_fails_at_the_users_line():

@@ -22,7 +22,7 @@ from jax import lax
 from linalg_inputs import general, normal, separated_singular, separated_symmetric, spd, triangular
 
 import jgraph as jg
-from jgraph import ops, vjp
+from jgraph import ops, vjp_rules
 from jgraph.lower import as_function
 
 QUICK = {"xla_backend_optimization_level": 0}
@@ -451,4 +451,4 @@ LINALG_OPS = ["cholesky", "triangular_solve", "lu", "lu_pivots_to_permutation", 
 @pytest.mark.parametrize("op", LINALG_OPS)
 def test_registry_complete(op):
     assert op in ops.shape_rules and op in ops.lowerings, f"{op} is not an op"
-    assert op in vjp.vjp_rules or op == "lu_pivots_to_permutation", f"{op}: no VJP rule"
+    assert op in vjp_rules.vjp_rules or op == "lu_pivots_to_permutation", f"{op}: no VJP rule"

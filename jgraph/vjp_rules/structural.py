@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgraph.vjp import deflinear, defvjp
+from jgraph.vjp_rules import deflinear, defvjp
 
 
 def _broadcast_in_dim_vjp(cts, ins, outs, *, shape, broadcast_dimensions, **_):

@@ -22,8 +22,8 @@ from jax.extend import core as jex_core
 
 from jgraph import _jax_internals as internals
 from jgraph.errors import TransformError
-from jgraph.vjp import defvjp, undifferentiable_inputs
-from jgraph.vjp.contractions import transposed_window_padding
+from jgraph.vjp_rules import defvjp, undifferentiable_inputs
+from jgraph.vjp_rules.contractions import transposed_window_padding
 
 
 def _reduce_sum_vjp(cts, ins, outs, *, axes, **_):

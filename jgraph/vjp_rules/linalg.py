@@ -21,7 +21,7 @@ from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from jgraph.errors import TransformError
-from jgraph.vjp import defvjp
+from jgraph.vjp_rules import defvjp
 
 _HIGHEST = lax.Precision.HIGHEST
 

@@ -15,7 +15,7 @@ from jax.extend import core as jex_core
 
 from jgraph.custom_lowering import user_cotangents
 from jgraph.ir import is_float
-from jgraph.vjp import NO_VJP_RULE, defvjp, undifferentiable_inputs
+from jgraph.vjp_rules import NO_VJP_RULE, defvjp, undifferentiable_inputs
 
 
 def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_zeros,

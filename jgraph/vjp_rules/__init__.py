@@ -165,7 +165,7 @@ from jgraph import (  # noqa: E402,F401  (tracer handlers)
     effects,
     hi_primitives,
 )
-from jgraph.vjp import (  # noqa: E402
+from jgraph.vjp_rules import (  # noqa: E402
     collectives,
     contractions,
     custom,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jgraph.errors import TransformError
-from jgraph.vjp import defvjp
+from jgraph.vjp_rules import defvjp
 
 
 def _gather_vjp(cts, ins, outs, *, dimension_numbers, slice_sizes, indices_are_sorted,

@@ -23,7 +23,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.extend.core.primitives import linear_solve_p
 
 from jgraph.errors import TransformError
-from jgraph.vjp import defvjp
+from jgraph.vjp_rules import defvjp
 
 _OP = linear_solve_p.name  # "custom_linear_solve"
 
