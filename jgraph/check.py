@@ -286,6 +286,9 @@ def _check_regions(graph: Graph) -> None:
         if region.parent is not None and region.parent not in seen:
             raise GraphError(f"checkpoint region {region.id} has parent {region.parent}, which is "
                              f"not listed before it")
+        if region.policy is not None and not callable(region.policy):
+            raise GraphError(f"checkpoint region {region.id} has policy {region.policy!r:.40}: a "
+                             f"policy is a callable (from jg.policies) or None")
         seen.add(region.id)
 
 
@@ -300,6 +303,10 @@ def _check_roles(graph: Graph) -> None:
     for k, r in enumerate(graph.output_roles):
         if r not in OUTPUT_ROLES:
             raise GraphError(f"output {k} has unknown role {r!r} (known: {sorted(OUTPUT_ROLES)})")
+    if graph.output_roles.count("loss") > 1:
+        raise GraphError(f"{graph.output_roles.count('loss')} outputs have role 'loss' (outputs "
+                         f"{[k for k, r in enumerate(graph.output_roles) if r == 'loss']}); a "
+                         f"graph has at most one loss")
     for k, (a, r) in enumerate(zip(graph.outputs, graph.output_roles, strict=True)):
         if r == "loss" and not (a.aval.shape == () and jnp.issubdtype(a.aval.dtype, jnp.floating)):
             raise GraphError(f"output {k} has role 'loss' but is {short_aval(a.aval)}, "

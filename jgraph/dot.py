@@ -24,6 +24,7 @@ from collections import Counter
 
 import numpy as np
 
+from jgraph.check import validate
 from jgraph.errors import JGraphError
 from jgraph.ir import Eqn, Graph, Literal, Var, short_aval, sub_graphs
 from jgraph.memory.opkinds import nbytes
@@ -40,9 +41,7 @@ def to_dot(graph: Graph, *, collapse: bool | None = None, report=None, title: st
     """Graphviz DOT text of `graph`. `collapse`: draw runs of eqns as single nodes (default: when
     the graph has more than 400 eqns); `report`: `jg.memory(graph)`, to mark fused values and
     the peak; `title`: the drawing's label."""
-    if not isinstance(graph, Graph):
-        raise JGraphError(f"jg.to_dot takes a jgraph Graph (from jg.trace), got "
-                          f"{type(graph).__name__}")
+    validate(graph, "jg.to_dot")
     if report is not None and len(getattr(report, "materialised", ())) != len(graph.eqns):
         raise JGraphError("jg.to_dot(report=...): the report must be jg.memory of this graph")
     if collapse is not None and not isinstance(collapse, (bool, np.bool_)):

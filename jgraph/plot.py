@@ -32,7 +32,11 @@ def plot_memory(path, reports, labels=None, compiled=None, title=None) -> Path:
         if not isinstance(r, MemoryReport):
             raise JGraphError(f"MemoryReport.plot overlays other MemoryReports (from jg.memory),"
                               f" got {type(r).__name__}")
-    labels = [f"plan {k}" for k in range(len(reports))] if labels is None else list(labels)
+    try:
+        labels = [f"plan {k}" for k in range(len(reports))] if labels is None else list(labels)
+    except TypeError:  # not iterable
+        raise JGraphError(f"MemoryReport.plot(labels=...): one label per report (a list), got "
+                          f"{labels!r:.60}") from None
     if len(labels) != len(reports):
         raise JGraphError(f"MemoryReport.plot: {len(labels)} labels for {len(reports)} reports")
     temps = _compiled(compiled, len(reports))
@@ -65,7 +69,11 @@ def plot_memory(path, reports, labels=None, compiled=None, title=None) -> Path:
     ax.set_ylim(0, top * 1.18)  # room for the peak notes above the highest curve
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:  # a read-only folder or file, a name too long, a full disk
+        raise JGraphError(f"MemoryReport.plot: cannot write {str(path)!r} "
+                          f"({e.strerror or e})") from e
     return path
 
 
@@ -76,7 +84,12 @@ def _checked_path(path, formats) -> Path:
         raise JGraphError(f"MemoryReport.plot: the path is a file name (str or os.PathLike), "
                           f"got {type(path).__name__}")
     path = Path(path)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # a name too long for the file system
+        raise JGraphError(f"MemoryReport.plot: cannot write {str(path)!r} "
+                          f"({e.strerror or e})") from e
+    if is_dir:
         raise JGraphError(f"MemoryReport.plot: {path} is a folder; give a file name such as "
                           f"{path / 'memory.png'}")
     folder = path.resolve().parent

@@ -9,9 +9,12 @@ example arguments are needed, and reads `temp_size_in_bytes`.
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import warnings
 
 import jax
+import numpy as np
 
 from jgraph.errors import TransformError
 from jgraph.ir import Graph
@@ -22,7 +25,9 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
 
 def parse_budget(budget) -> tuple[str, float]:
-    """("bytes", n) or ("fraction", f) from `budget`; a clear error for anything else."""
+    """("bytes", n) or ("fraction", f) from `budget`; a clear error for anything else. Bytes
+    may be any real number, numpy's and 0-d JAX arrays included (`np.int64(2**30)`); a count
+    beyond what a float holds (`10**400`) is refused as infinite."""
     if isinstance(budget, str):
         match = _PERCENT.match(budget)
         if match is None:
@@ -34,11 +39,29 @@ def parse_budget(budget) -> tuple[str, float]:
             raise TransformError(f"remat(budget={budget!r}): a percentage budget lies in "
                                  "(0%, 100%]")
         return "fraction", fraction
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
-            math.isfinite(budget) and budget >= 0):
-        raise TransformError(f"remat(budget={budget!r}): the budget is a non-negative number "
-                             "of bytes (e.g. 8 * 2**20) or a percentage string such as '50%'")
-    return "bytes", float(budget)
+    amount = _real_scalar(budget)
+    if amount is None or not (math.isfinite(amount) and amount >= 0):
+        raise TransformError(f"remat(budget={budget!r:.80}): the budget is a finite, "
+                             "non-negative number of bytes (e.g. 8 * 2**20) or a percentage "
+                             "string such as '50%'")
+    return "bytes", amount
+
+
+def _real_scalar(value) -> float | None:
+    """`value` as a float if it is a real number (Python, numpy, or a 0-d integer or floating
+    array), else None; booleans are not numbers of bytes."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    if not isinstance(value, numbers.Real):
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or np.ndim(value) != 0 or np.dtype(dtype).kind not in "iuf":
+            return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range
+        return math.inf
+    except TypeError:  # a traced value (under jax.jit) has no number yet
+        return None
 
 
 def abstract_step_args(graph: Graph):
@@ -52,5 +75,7 @@ def abstract_step_args(graph: Graph):
 def xla_temp(graph: Graph) -> int:
     """`temp_size_in_bytes` of the compiled donated training step of `graph`."""
     step, _ = donated_step(graph)
-    compiled = step.lower(*abstract_step_args(graph)).compile()
+    with warnings.catch_warnings():  # a measurement: which donations XLA uses is not news here
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        compiled = step.lower(*abstract_step_args(graph)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)

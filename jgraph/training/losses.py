@@ -30,6 +30,10 @@ def log_softmax(logits):
 
 def _as_targets(outputs, labels):
     if jnp.issubdtype(labels.dtype, jnp.integer) and labels.ndim == outputs.ndim - 1:
+        if labels.shape != outputs.shape[:-1]:
+            raise TransformError(f"class-id labels {labels.shape} do not match model outputs "
+                                 f"{outputs.shape} (one id per row of {outputs.shape[-1]} "
+                                 f"classes: labels of shape {outputs.shape[:-1]})")
         return jax.nn.one_hot(labels, outputs.shape[-1], dtype=outputs.dtype)
     if labels.shape != outputs.shape:
         raise TransformError(f"labels {labels.shape} do not match model outputs {outputs.shape}")

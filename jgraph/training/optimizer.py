@@ -534,6 +534,8 @@ class Optimizer(StateFiles, WholePeriods):
         """The accumulated gradients (None when the period is 1: there are no accumulators); on
         a mesh, the sum of the per-device accumulators."""
         _train_state(state, "Optimizer.grad_acc")
+        if (state.grad_acc is None) != (self.period == 1):  # None would say "no accumulators"
+            self.checked_state(state, "Optimizer.grad_acc")
         if self.plan is None or state.grad_acc is None:
             return state.grad_acc
         return self._last.steps.summed(state.grad_acc)

@@ -133,10 +133,10 @@ class StateFiles:
 
         The state is checked first (a donated, foreign or malformed state raises
         `ArgumentError` and writes nothing); `extra` is any JSON-serialisable value."""
-        from jgraph.training.state_io import as_path, dataset_order, save_state
+        from jgraph.training.state_io import as_path, dataset_order, is_folder, save_state
 
         path = as_path(path, "Optimizer.save")  # checked by every process (only 0 writes)
-        if path.is_dir():
+        if is_folder(path, "Optimizer.save:"):
             raise ArgumentError(f"Optimizer.save: {str(path)!r} is a folder, not a file path")
         dataset_order(dataset, "Optimizer.save")
         state = self.checked_state(state)

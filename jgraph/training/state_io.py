@@ -140,6 +140,15 @@ def as_path(path, what: str) -> Path:
     return Path(path)
 
 
+def is_folder(path: Path, what: str) -> bool:
+    """`path.is_dir()`, or `ArgumentError` where the file system refuses to look (a name too
+    long, a path through a file it cannot search)."""
+    try:
+        return path.is_dir()
+    except OSError as e:
+        raise ArgumentError(f"{what} {str(path)!r} cannot be used: {e.strerror or e}") from e
+
+
 def dataset_order(dataset, what: str):
     """The shard order of `dataset` (a `jg.Dataset`), or None."""
     from jgraph.training.dataset import Dataset
@@ -159,7 +168,7 @@ def check_writable(path, what: str) -> Path:
     or can be made, and a file can be created in it (a real probe: permissions, read-only file
     systems and a path under a regular file all fail here, not after hours of training)."""
     path = Path(path)
-    if path.is_dir():
+    if is_folder(path, what):
         raise ArgumentError(f"{what} {str(path)!r} is a folder, not a file path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
