@@ -16,7 +16,7 @@ checkpoint paths and a save failing mid-run; custom_jvp/custom_vjp at higher ord
 cotangents, `optimize_remat`, `jax_remat3`/`jax_custom_vjp3`, `jax.debug.print` in scans;
 `jg.testing.graphs()/programs()` options and `check_grads` arguments. The probes live in
 `tests/sweep19_*.py`; those that compile XLA plans or train are `slow`.
-`python tests/test_sweep_issue19.py` prints the tally of every group.
+`PYTHONPATH=. python tests/test_sweep_issue19.py` prints the tally of every group.
 """
 
 import re
