@@ -329,9 +329,29 @@ def test_prints_in_loop_bodies_run_in_jax_order_once(capfd, name):
     if name == "scan":
         replayed = _printed(capfd, lambda: jax.jit(jax.value_and_grad(checkpointed))(x))
         assert len(replayed) > len(want)  # JAX's remat prints again; jgraph's does not
-        budget = jg.remat(gb, budget=jg.memory(saving_nothing).peak_bytes)
-        assert _printed(capfd, lambda: jg.compile(budget)(x)) == want
         assert _printed(capfd, lambda: jg.evaluate(gb, x)) == want
+
+
+def test_a_budget_plan_recomputing_a_scan_body_prints_once(capfd):
+    """The planner's plan for a scanned model recomputes inside the loop body; the body's print
+    runs once per layer, in the forward, as in jax.jit(jax.value_and_grad(fn))."""
+    def fn(w, x):
+        def body(h, i):
+            jax.debug.print("layer {i}", i=i, ordered=True)
+            return jnp.tanh(jnp.tanh(h @ w[i]) @ w[i].T), None
+
+        h, _ = lax.scan(body, x, jnp.arange(6))
+        jax.debug.print("done", ordered=True)
+        return jnp.sum(h * h)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (6, 32, 32)) / 6
+    x = jnp.ones((64, 32))
+    want = _printed(capfd, lambda: jax.jit(jax.value_and_grad(fn))(w, x))
+    assert want == [f"layer {i}" for i in range(6)] + ["done"]
+    gr = jg.remat(jg.backward(jg.trace(fn, w, x, param_argnums=0)), budget="50%")
+    report = gr.info["remat"]
+    assert report["plan"] != "no remat" and report["xla_temp"] <= report["budget"]
+    assert _printed(capfd, lambda: jg.compile(gr)(w, x)) == want
 
 
 def test_a_print_is_an_op_no_pass_drops_or_merges():

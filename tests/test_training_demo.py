@@ -123,8 +123,8 @@ def test_demo_reaches_95_percent_and_writes_the_plots(tmp_path):
 
 @pytest.mark.slow
 def test_the_memory_table_tells_the_truth_and_remat_saves():
-    """Every estimate within 25 % of XLA's temp; remat of every block (and the budget plan,
-    where the planner finds one) really lowers XLA's temp."""
+    """Every estimate within 25 % of XLA's temp; remat of every block and the budget plan really
+    lower XLA's temp."""
     ds, n_in = demo.load_digits_dataset()
     params = demo.init_params(jax.random.PRNGKey(0), n_in)
     rows = demo.memory_table(params, ds, optax.adam(1e-3), 4, (16, 256))
@@ -134,4 +134,6 @@ def test_the_memory_table_tells_the_truth_and_remat_saves():
     temps = {(n, b, p): t for n, b, p, _, t, *_ in rows}
     for batch in (16, 256):
         assert temps["grad", batch, "every block"] < 0.9 * temps["grad", batch, "no remat"]
-    assert temps["grad", 256, "budget 80%"] < temps["grad", 256, "no remat"]
+    # The planner's plan fits half of no remat's compiled temp (its budget) where that is
+    # reachable: at micro-batch 256 activations dominate.
+    assert temps["grad", 256, "budget 50%"] <= 0.5 * temps["grad", 256, "no remat"]

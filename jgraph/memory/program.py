@@ -277,19 +277,25 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
         for k, a in enumerate(member.inputs):
             p = producer.get(a)
             if p is not None:
-                heapq.heappush(todo, (-index[p], id(member), k, p, member))
+                heapq.heappush(todo, (-index[p], index[member], k, p, member))
 
     def broadcast(a):
         return a in producer and producer[a].op in ("broadcast_in_dim", "iota")
 
     push(kernel.root)
     while todo:
+        # Every member reading p is in by now (a reader comes after p in the schedule, so it
+        # was popped first): decide p once, from all of them, whatever order they came in.
         _, _, k, p, member = heapq.heappop(todo)
+        reads = [(member, k)]
+        while todo and todo[0][3] is p:
+            _, _, k, _, member = heapq.heappop(todo)
+            reads.append((member, k))
         out = p.outputs[0] if len(p.outputs) == 1 else None
         if p in members:
-            unfused[out].discard(member)
+            unfused[out].difference_update(m for m, _ in reads)
             continue
-        reuse = opkinds.reuses(member, k) or reused[member]
+        reuse = any(opkinds.reuses(m, k) or reused[m] for m, k in reads)
         outside = out is not None and (out in external or p in needed or any(
             r not in members or r in copied for r in unfused[out]))  # fusing p copies it
         library = kinds[kernel.root] == "library"
