@@ -3,6 +3,7 @@ again here from real arguments), gradients equal no remat's (bitwise under jg.ev
 compiled, and jax.value_and_grad), plans are ordinary graphs, and bad budgets are clear errors."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -270,20 +271,22 @@ def test_auto_plans_small_graphs_exactly_and_large_ones_fast():
 @pytest.mark.parametrize("fraction", ["90%", "70%"])
 def test_real_models_fit_their_budget_or_say_what_the_least_is(fraction):
     """Every model of tests/real_models.py (flax, haiku, equinox): a plan whose compiled step
-    fits the budget with no remat's gradients, or an error naming a temp above the budget."""
+    fits the budget, or (a BudgetWarning) the plan reaching the least temp, above the budget;
+    with no remat's gradients either way."""
     from tests.real_models import MODELS
 
     for model in MODELS:
         fn, args = model.built
         gb = jg.backward(jg.trace(fn, *args, param_argnums=0, has_aux=model.has_aux))
-        try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", jg.BudgetWarning)
             gr = jg.remat(gb, budget=fraction, planner="fast")
-        except TransformError as error:
-            least = int(re.search(r"reaches is (\d+) bytes", str(error)).group(1))
-            budget = int(re.search(r"remat\(budget=(\d+) bytes\)", str(error)).group(1))
-            assert least > budget, model.name
-            continue
-        assert jg.compiled_memory(gr, *args).temp_bytes <= gr.info["remat"]["budget"]
+        report, temp = gr.info["remat"], jg.compiled_memory(gr, *args).temp_bytes
+        if caught:
+            assert report["unmet"] and temp == report["xla_temp"] > report["budget"], model.name
+            assert temp <= report["no_remat_temp"], model.name
+        else:
+            assert temp <= report["budget"], model.name
         for a, b in zip(jax.tree.leaves(jg.evaluate(gr, *args)),
                         jax.tree.leaves(jg.evaluate(gb, *args)), strict=True):
             np.testing.assert_array_equal(as_numpy(a), as_numpy(b), err_msg=model.name)
