@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from models import BY_NAME
 
 import jgraph as jg
@@ -81,6 +82,18 @@ def test_the_estimate_does_not_depend_on_object_identities():
     peaks = {jg.memory(jg.remat(gb, policy=jg.policies.everything_saveable)).peak_bytes
              for _ in range(8)}
     assert peaks == {jg.memory(gb).peak_bytes}
+
+
+def test_an_in_place_update_of_a_fused_operand_is_estimated():
+    """The backward of dynamic_slice updates a broadcast of zeros, which XLA fuses into the
+    update: jg.memory raised KeyError looking for that operand's buffer (found by hypothesis)."""
+    def program(p, i):
+        h = lax.fori_loop(0, 1, lambda _, c: jnp.sin(c), jnp.tanh(p))
+        return jnp.sum(lax.dynamic_slice(h, (i,), (1,)))
+
+    args = (jnp.ones((1,)), jnp.int32(0))
+    gb = jg.backward(jg.trace(program, *args, param_argnums=0))
+    assert jg.memory(gb).peak_bytes > 0 and jg.compiled_memory(gb, *args).temp_bytes > 0
 
 
 def test_memory_is_cheap_on_a_long_chain():

@@ -382,9 +382,12 @@ def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
             else len(eqn.outputs)
         inits = eqn.inputs[first:first + carry]
         return [(out, values[root(a)]) for out, a in zip(k.writes, inits, strict=False)
-                if isinstance(root(a), Var)]
-    if eqn.op in IN_PLACE and isinstance(root(eqn.inputs[0]), Var):
-        return [(k.writes[0], values[root(eqn.inputs[0])])]
+                if root(a) in values]
+    if eqn.op in IN_PLACE:
+        # In place over its operand's buffer, unless the operand was fused into the kernel (a
+        # broadcast of zeros: the backward of dynamic_slice), which then has no buffer to share.
+        operand = root(eqn.inputs[0])
+        return [(k.writes[0], values[operand])] if operand in values else []
     if shareable(k) and len(k.writes) == 1:
         out = k.writes[0]
         return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"]

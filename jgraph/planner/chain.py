@@ -31,6 +31,7 @@ from jgraph.memory import nbytes
 from jgraph.planner.cost import eqn_cost
 
 MAX_STAGES = 64
+CUT_SLACK = 1.5
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims"})  # a new shape of the same buffer
 
 
@@ -235,26 +236,30 @@ def frontier_bytes(forward: Forward):
 def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
     """The forward cut into stages at its cheapest cuts (see the module docstring).
 
-    A cut is a candidate when no more bytes cross it than cross the median cut. Candidates with
-    only cheap (fusible) eqns between them form a valley, of which the cut with the fewest bytes
-    (those the backward does not read counted twice) is kept: between two layers of a chain,
-    after the nonlinearity whose output the backward reads anyway."""
+    Cuts with only cheap (fusible) eqns between them form a valley, of which the cut with the
+    fewest bytes (those the backward does not read counted twice) is the valley's best: between
+    two layers of a chain, after the nonlinearity whose output the backward reads anyway. A
+    valley's best cut is kept when no more bytes cross it than `CUT_SLACK` times the median
+    valley's best (layers whose boundaries differ by a key or a bias are all cut).
+    (The median of all cuts would be set by the loss: a softmax cross-entropy is a dozen cheap
+    eqns on small logits, which outnumber a residual block's cuts and put every cut between
+    blocks above the median.)"""
     n = len(forward.eqns)
     fronts = frontier_bytes(forward)
-    totals = sorted(t for t, _, _ in fronts[:-1] if t > 0)
+    best, valley = [], []
+    for k in range(n - 1):
+        if valley and _expensive(forward.eqns[k]):
+            best.append(_best_cut(fronts, valley))
+            valley = []
+        if fronts[k][0] > 0:
+            valley.append(k)
+    if valley:
+        best.append(_best_cut(fronts, valley))
     cuts = []
-    if totals:
-        threshold = totals[len(totals) // 2]
-        valley: list[int] = []
-        for k in range(n - 1):
-            if valley and _expensive(forward.eqns[k]):
-                cuts.append(_best_cut(fronts, valley))
-                valley = []
-            if 0 < fronts[k][0] <= threshold:
-                valley.append(k)
-        if valley:
-            cuts.append(_best_cut(fronts, valley))
-    cuts = [k + 1 for k in cuts]
+    if best:
+        totals = sorted(fronts[k][0] for k in best)
+        threshold = CUT_SLACK * totals[len(totals) // 2]
+        cuts = [k + 1 for k in best if fronts[k][0] <= threshold]
     if len(cuts) + 1 > max_stages:
         cuts = _thinned(forward, cuts, max_stages - 1)
     bounds = [0] + cuts + [n]
