@@ -38,7 +38,7 @@ from jgraph.memory import memory
 from jgraph.planner import fast, loops, validate
 from jgraph.planner.chain import Forward, stages
 from jgraph.planner.cost import recompute_flops
-from jgraph.planner.plan import Plan, with_regions
+from jgraph.planner.plan import Plan, Segment, with_regions
 from jgraph.planner.validate import parse_budget
 
 PLANNERS = ("auto", "exact", "fast")
@@ -237,12 +237,19 @@ def cheapest(by_mode: dict, budgets: dict, planner: str) -> Plan | None:
 
 
 def _smallest_plans(by_mode: dict, tried: dict):
-    """(plan, graph, XLA temp) of the plan of each mode needing the least model memory."""
+    """(plan, graph, XLA temp) of the plan of each mode needing the least model memory, and of
+    the plan recomputing each stage on its own (a checkpoint per layer), which XLA may place
+    in less memory than the model's least."""
     found = []
     for mode, problem in by_mode.items():
         least = fast.FastPlanner(problem.stages, memory(problem.graph).peak_bytes).smallest()
-        if least is not None:
-            plan = dataclasses.replace(least[1], base=mode, cost=least[1].cost + problem.base_cost)
+        candidates = [] if least is None else [least[1]]
+        if len(problem.stages) > 1:
+            candidates.append(Plan(frozenset(), tuple(
+                Segment(k, k + 1) for k in range(len(problem.stages))),
+                cost=sum(problem.forward.cost), label="a segment per stage"))
+        for plan in candidates:
+            plan = dataclasses.replace(plan, base=mode, cost=plan.cost + problem.base_cost)
             candidate = problem.build(plan)
             if plan.describe() not in tried:
                 tried[plan.describe()] = xla_temp(candidate)
