@@ -239,8 +239,8 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
     Cuts with only cheap (fusible) eqns between them form a valley, of which the cut with the
     fewest bytes (those the backward does not read counted twice) is the valley's best: between
     two layers of a chain, after the nonlinearity whose output the backward reads anyway. A
-    valley's best cut is kept when no more bytes cross it than `CUT_SLACK` times the median
-    valley's best (layers whose boundaries differ by a key or a bias are all cut).
+    valley's best cut is kept when no more bytes cross it than `CUT_SLACK` times the (lower)
+    median valley's best (layers whose boundaries differ by a key or a bias are all cut).
     (The median of all cuts would be set by the loss: a softmax cross-entropy is a dozen cheap
     eqns on small logits, which outnumber a residual block's cuts and put every cut between
     blocks above the median.)"""
@@ -258,7 +258,7 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
     cuts = []
     if best:
         totals = sorted(fronts[k][0] for k in best)
-        threshold = CUT_SLACK * totals[len(totals) // 2]
+        threshold = CUT_SLACK * totals[(len(totals) - 1) // 2]  # the lower median
         cuts = [k + 1 for k in best if fronts[k][0] <= threshold]
     if len(cuts) + 1 > max_stages:
         cuts = _thinned(forward, cuts, max_stages - 1)
