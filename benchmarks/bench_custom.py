@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import jgraph as jg
 from benchmarks import interleaved_medians
-from benchmarks.bench_backward import _block_args, transformer_block
+from benchmarks.bench_backward import _block_args, _mlp_args, transformer_block
 from jgraph import ops
 
 
@@ -42,13 +42,6 @@ def custom_mlp(params, x):
         h = (jax.nn.relu, jax.nn.softplus, scaled_tanh)[k % 3](z)
     w, b = params[-1]
     return jnp.mean((h @ w + b) ** 2)
-
-
-def _mlp_args(width, layers, batch):
-    keys = jax.random.split(jax.random.PRNGKey(0), layers + 1)
-    params = [(jax.random.normal(k, (width, width), jnp.float32) * width**-0.5,
-               jnp.zeros((width,), jnp.float32)) for k in keys[:-1]]
-    return params, jax.random.normal(keys[-1], (batch, width), jnp.float32)
 
 
 def _identity(*values, n_primals=0, n_res=0, n_consts=0, **params):
