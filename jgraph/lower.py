@@ -21,6 +21,17 @@ reasoning about the sign of `abs` proves, which XLA's simplifier does not do. Th
 therefore differs from the forward for CSE, and it cannot start before the anchor exists, i.e.
 before the backward has reached it. This holds with default flags, on every backend, inside a
 user's own jit and under vmap (tests count the recomputed dots in the compiled HLO).
+
+Fusion cuts. XLA:CPU fuses a cheap elementwise producer into every reader, duplicating it, and
+does so transitively. In a backward, the cotangent of a residual stream is a chain of such adds
+over every layer, read by several transposing fusions (the operands of weight-gradient dots): each
+of them recomputes the whole chain, with strided reads (a 6-layer transformer's step spends half
+its time there, in jgraph and in JAX alike). So on CPU the lowering materialises each backward
+value that a cheap op writes, that two or more readers read, and that is at least
+`CUT_MIN_BYTES` (`fusion_cuts`): it passes through `lax.cond(c < -|c|, zeros, identity)`, with
+`c` its own first element, which is the identity bit for bit (see above) and which XLA cannot
+fuse into. Other platforms fuse by cost and get the value as it is (`lax.platform_dependent`).
+`jg.memory` counts the cut values as buffers.
 """
 
 from __future__ import annotations
@@ -76,6 +87,48 @@ def protection_plan(graph: Graph):
     return plan, anchors
 
 
+CUT_MIN_BYTES = 1 << 16  # a duplicated chain of smaller values costs less than a buffer
+CUT_MIN_OPS = 8  # a shorter chain recomputed in each reader costs less than a buffer
+
+
+def fusion_cuts(graph: Graph) -> set[Var]:
+    """The backward values the lowering materialises on CPU (module docstring): real floats of at
+    least `CUT_MIN_BYTES`, read by two or more eqns of `graph`, and written by a `cheap` op at the
+    end of a chain of at least `CUT_MIN_OPS` cheap ops that XLA:CPU would fuse into each of those
+    readers (a cut ends a chain). Sub-graphs have their own."""
+    from jgraph.memory import opkinds  # jgraph.memory reads this module's protection plan
+
+    readers: dict[Var, int] = {}
+    for eqn in graph.eqns:
+        for a in {a for a in eqn.inputs if isinstance(a, Var)}:
+            readers[a] = readers.get(a, 0) + 1
+    chain: dict[Var, int] = {}  # the cheap ops a fusion reading the value recomputes
+    cuts = set()
+    for eqn in graph.eqns:
+        if len(eqn.outputs) != 1 or opkinds.kind(eqn) != "cheap":
+            continue
+        out = eqn.outputs[0]
+        chain[out] = 1 + sum(chain.get(a, 0) for a in eqn.inputs if isinstance(a, Var))
+        if "backward" in eqn.tags and chain[out] >= CUT_MIN_OPS and readers.get(out, 0) >= 2 \
+                and _cuttable(out.aval):
+            cuts.add(out)
+            chain[out] = 0
+    return cuts
+
+
+def _cuttable(aval) -> bool:
+    return _anchorable(aval) and aval.size * aval.dtype.itemsize >= CUT_MIN_BYTES
+
+
+def _materialise(x):
+    """`x` as a buffer XLA:CPU cannot fuse its producer through (module docstring)."""
+    def on_cpu(x):
+        c = jnp.reshape(x, (-1,))[0]
+        return lax.cond(lax.lt(c, lax.neg(lax.abs(c))), jnp.zeros_like, lambda y: y, x)
+
+    return lax.platform_dependent(x, cpu=on_cpu, default=lambda y: y)
+
+
 class Lowering(Interpreter):
     """The interpreter used for lowering; it protects recompute eqns from XLA's CSE.
 
@@ -88,6 +141,7 @@ class Lowering(Interpreter):
         self.plan, self.anchors = protection_plan(graph)
         self.anchor_set = {v for v in self.anchors if v is not None}
         self.anchor_values, self.preds, self.tainted = {}, {}, {}
+        self.cuts = fusion_cuts(graph)
         for v, x in zip(graph.inputs, args, strict=True):
             self._remember_anchor(v, x)
         return super().run(graph, *args)
@@ -105,6 +159,8 @@ class Lowering(Interpreter):
             if k is not None:
                 values[k] = self._taint(group, eqn.inputs[k], values[k])
         outs = super().eval_eqn(eqn, values)
+        if eqn.outputs and eqn.outputs[0] in self.cuts:
+            outs = [_materialise(outs[0])]
         for v, x in zip(eqn.outputs, outs, strict=True):
             self._remember_anchor(v, x)
         return outs

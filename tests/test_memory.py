@@ -179,7 +179,7 @@ def test_chain32_sqrt_segments_bar(chain32):
     args, none, sqrt = chain32
     base, ours = jg.compiled_memory(none, *args), jg.compiled_memory(sqrt, *args)
     assert base.temp_bytes / MIB == pytest.approx(17.5, abs=0.6)
-    assert ours.temp_bytes / MIB <= 6.5
+    assert ours.temp_bytes / MIB < 6.55  # DESIGN §5's JAX figure, 6.5 MiB to one decimal
     n_recomputed = sum(e.op == "dot_general" and "recompute" in e.tags for e in sqrt.eqns)
     assert ours.dots == base.dots + n_recomputed > base.dots  # the extra dots are in the HLO
     # the same inside the user's own donated SGD step around jg.compile

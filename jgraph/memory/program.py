@@ -2,10 +2,11 @@
 
 `flatten(graph)` first rewrites the eqns as XLA sees them: bitcasts and identities resolved, XLA's
 CSE applied, constants folded, `split` as slices, transposed copies of dot and convolution
-operands, the index arrays of batched gathers and scatters, and the taints `jgraph.lower` puts on
-recompute eqns. `kernels(eqns, ...)` then replays XLA's instruction fusion (`instruction_fusion.cc`
-with the CPU rules of `opkinds`): consumers are visited from the last to the first; a kernel rooted
-at a fusible consumer absorbs producers, latest first, while XLA would fuse them:
+operands, the index arrays of batched gathers and scatters, and the taints and fusion cuts
+`jgraph.lower` puts on recompute and backward eqns. `kernels(eqns, ...)` then replays XLA's
+instruction fusion (`instruction_fusion.cc` with the CPU rules of `opkinds`): consumers are
+visited from the last to the first; a kernel rooted at a fusible consumer absorbs producers,
+latest first, while XLA would fuse them:
 
 - the producer is fusible (`cheap`, `expensive`, `reduce` or `tree`) and has one output;
 - if it has readers outside the kernel (or is already materialised), fusing copies it: never for
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jgraph.ir import Eqn, Graph, Literal, ShapedArray, Var
-from jgraph.lower import protection_plan
+from jgraph.lower import fusion_cuts, protection_plan
 from jgraph.memory import opkinds
 from jgraph.memory.opkinds import aligned
 
@@ -116,12 +117,15 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
     """The graph's eqns without bitcasts and identities (`ops.root` resolves them), `split` as
     slices, the transposed copies of dot operands XLA makes, and the taints `jgraph.lower` adds
     to recompute eqns (each group of `no_cse` eqns reads one input through a select on the
-    anchor, so it waits for the backward to reach it). Each rewritten eqn remembers the graph's
-    eqn it comes from. Inputs keep the graph's vars (and shapes)."""
+    anchor, so it waits for the backward to reach it), and the fusion cuts (a value the lowering
+    materialises is written by an opaque `materialise` eqn reading its producer's result). Each
+    rewritten eqn remembers the graph's eqn it comes from. Inputs keep the graph's vars (and
+    shapes)."""
     ops = ops or Ops()
     plan, anchors = protection_plan(graph) if any("no_cse" in e.tags for e in graph.eqns) \
         else ({}, [])
     tainted: dict[tuple[int, Var], Var] = {}
+    cuts = fusion_cuts(graph)
     for eqn in graph.eqns:
         if _folded(ops, eqn):  # XLA folds constants: a constant is not a temp
             for out in eqn.outputs:
@@ -149,8 +153,14 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if copies is not None and any(copies(eqn)):
             inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
                            for a, c in zip(inputs[:2], copies(eqn), strict=True)) + inputs[2:]
-        _emit(ops, eqn if inputs == eqn.inputs else Eqn(
-            eqn.op, inputs, eqn.params, eqn.outputs, eqn.tags, eqn.regions, eqn.source), eqn)
+        outputs = eqn.outputs
+        if outputs[0] in cuts:
+            outputs = (Var(outputs[0].aval),)
+        _emit(ops, eqn if inputs == eqn.inputs and outputs == eqn.outputs else Eqn(
+            eqn.op, inputs, eqn.params, outputs, eqn.tags, eqn.regions, eqn.source), eqn)
+        if outputs != eqn.outputs:
+            _emit(ops, Eqn("materialise", outputs, {}, eqn.outputs, eqn.tags, eqn.regions,
+                           eqn.source), eqn)
     return ops
 
 
