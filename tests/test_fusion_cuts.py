@@ -95,3 +95,15 @@ def test_memory_counts_the_cut_buffers(joint):
     gb, args = joint
     estimate, xla = jg.memory(gb).peak_bytes, jg.compiled_memory(gb, *args).temp_bytes
     assert 0.75 <= estimate / xla <= 1.25
+
+
+def test_memory_of_a_graph_with_an_eqn_of_no_outputs():
+    """A print has no outputs: the cut check must not index them (was IndexError)."""
+    def fn(w, x):
+        jax.debug.print("w {w}", w=w[0, 0], ordered=True)
+        return residual_net([(w, w.T)], x)
+
+    args = (jnp.eye(64, 128), jnp.ones((8, 32, 64)))
+    gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
+    assert any(not e.outputs for e in gb.eqns)
+    assert jg.memory(gb).peak_bytes > 0

@@ -154,7 +154,7 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
             inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
                            for a, c in zip(inputs[:2], copies(eqn), strict=True)) + inputs[2:]
         outputs = eqn.outputs
-        if outputs[0] in cuts:
+        if outputs and outputs[0] in cuts:
             outputs = (Var(outputs[0].aval),)
         _emit(ops, eqn if inputs == eqn.inputs and outputs == eqn.outputs else Eqn(
             eqn.op, inputs, eqn.params, outputs, eqn.tags, eqn.regions, eqn.source), eqn)

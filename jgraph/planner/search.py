@@ -204,9 +204,9 @@ def _used(planner: str, by_mode: dict) -> str:
 def _fit_estimate(by_mode: dict, budgets: dict, planner: str):
     """(plan, its graph, its estimate) with the estimate within its mode's budget (or the last
     one tried), or None when no plan fits the model."""
-    scale, last = 1.0, None
+    scale, last = dict.fromkeys(budgets, 1.0), None
     for _ in range(ESTIMATE_ROUNDS):
-        plan = cheapest(by_mode, {m: b * scale for m, b in budgets.items()}, planner)
+        plan = cheapest(by_mode, {m: b * scale[m] for m, b in budgets.items()}, planner)
         if plan is None:
             return last
         candidate = by_mode[plan.base].build(plan)
@@ -214,7 +214,9 @@ def _fit_estimate(by_mode: dict, budgets: dict, planner: str):
         last = plan, candidate, estimate
         if estimate <= budgets[plan.base]:
             break
-        scale *= MARGIN * budgets[plan.base] / estimate
+        # only this mode's stage model missed: a mode whose plans all miss (its loops hold
+        # more than the stages say) must not shrink the others' budgets
+        scale[plan.base] *= MARGIN * budgets[plan.base] / estimate
     return last
 
 
@@ -233,7 +235,8 @@ def cheapest(by_mode: dict, budgets: dict, planner: str) -> Plan | None:
         if budgets[mode] > 0:
             found += [dataclasses.replace(p, base=mode, cost=p.cost + problem.base_cost)
                       for p in problem.planner.plans(budgets[mode])]
-    return min(found, key=lambda p: (p.cost, -len(p.keep)), default=None)
+    order = list(by_mode)  # equal cost: the simpler loop mode (modes come simplest first)
+    return min(found, key=lambda p: (p.cost, order.index(p.base), -len(p.keep)), default=None)
 
 
 def _smallest_plans(by_mode: dict, tried: dict):
