@@ -179,7 +179,9 @@ def test_chain32_sqrt_segments_bar(chain32):
     args, none, sqrt = chain32
     base, ours = jg.compiled_memory(none, *args), jg.compiled_memory(sqrt, *args)
     assert base.temp_bytes / MIB == pytest.approx(17.5, abs=0.6)
-    assert ours.temp_bytes / MIB < 6.55  # DESIGN §5's JAX figure, 6.5 MiB to one decimal
+    # DESIGN §5's JAX figure, 6.5 MiB to one decimal; the fusion cut of the last layer's
+    # cotangent (`jgraph.lower.fusion_cuts`) adds 8 bytes to it
+    assert ours.temp_bytes / MIB < 6.55
     n_recomputed = sum(e.op == "dot_general" and "recompute" in e.tags for e in sqrt.eqns)
     assert ours.dots == base.dots + n_recomputed > base.dots  # the extra dots are in the HLO
     # the same inside the user's own donated SGD step around jg.compile
@@ -189,7 +191,7 @@ def test_chain32_sqrt_segments_bar(chain32):
         loss, grads = compiled(params, x)
         return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), loss
 
-    assert temp_mib(jax.jit(user_step, donate_argnums=0), *args) <= 6.5
+    assert temp_mib(jax.jit(user_step, donate_argnums=0), *args) < 6.55
     # jax.checkpoint on the same segments saves nothing on XLA:CPU (its barriers are removed)
     assert temp_mib(jax_step(chain(6)), *args) >= base.temp_bytes / MIB
 
