@@ -10,11 +10,11 @@ For each model and each budget (25%, 50%, 75% of the no-remat compiled donated t
 - the largest gradient difference with no remat, compiled, and whether the plan is bitwise
   equal to no remat under `jg.evaluate` (not for the scan: evaluating it eagerly takes minutes);
 - the step time against jgraph's no-remat step, and against the fastest hand-written
-  `jax.checkpoint` arrangement whose temp fits the same budget. That reference runs in a child
-  process with `XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander` (which keeps JAX's
-  remat alive on XLA:CPU), timed against JAX's no-remat step there; here the plans are timed
-  against the same JAX no-remat step (no barriers: the flag does not change it), interleaved,
-  medians; the ratio is (plan / JAX no remat) / (arrangement / JAX no remat);
+  `jax.checkpoint` arrangement whose temp fits the same budget. That reference is compiled with
+  XLA's `cse_barrier_expander` pass off (`jax.jit(..., compiler_options=KEEP_BARRIERS)`, the
+  per-jit form of `XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`, which keeps JAX's
+  remat alive on XLA:CPU) and timed in the same process, interleaved with the plans (medians);
+  the ratio is the plan's time over the arrangement's;
 - the planning time, and apart from it the seconds spent compiling plans to check them; and a
   last line: the fast planner's time on a 10k-eqn graph (a 1000-layer chain).
 
@@ -28,9 +28,6 @@ least the planner reaches to no remat, with JAX's hand-written arrangements as p
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 
@@ -46,7 +43,7 @@ from jgraph.memory import donated_step
 
 MIB = 2**20
 BUDGETS = (75, 50, 25)
-FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 cp = jax.checkpoint_policies
 
 
@@ -219,38 +216,28 @@ def grad_difference(gb, gr, args, evaluate):
     return diff, bitwise
 
 
-def jax_child(name: str, repeats: int) -> dict:
-    """Run the JAX arrangements of model `name` in a child process with XLA_FLAGS=FLAG."""
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip())
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_planner", "--jax-child", name,
-                          "--repeats", str(repeats)], env=env, capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def jax_arrangements(name: str, repeats: int) -> dict:
-    """{arrangement: {temp, flops, time (relative to JAX's no remat)}} (in the child)."""
+def jax_arrangements(name: str) -> dict:
+    """{arrangement: (its Stepper, {temp, flops})}: JAX's hand-written arrangements, compiled
+    with the barrier expander off (`KEEP_BARRIERS`)."""
     _, args, variants = models()[name]
-    steppers, found = {}, {}
+    found = {}
     for label, fn in variants.items():
-        step = jax_step(fn)
+        step = jax_step(fn, KEEP_BARRIERS)
         temp, flops = compiled_figures(step, *args)
-        found[label] = {"temp": temp, "flops": flops}
-        steppers[label] = Stepper(step, args[0], args[1])
-    times = interleaved_medians(steppers, repeats=repeats, warmup=1)
-    for label in found:
-        found[label]["time"] = times[label] / times["no remat"]
+        found[label] = (Stepper(step, args[0], args[1]), {"temp": temp, "flops": flops})
     return found
 
 
 def plan_model(name: str, repeats: int):
-    """(rows of the bar table, the model's frontier points)."""
+    """(rows of the bar table, the model's frontier points, JAX's arrangements)."""
     fn, args, _ = models()[name]
     gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
     step, state, rest = jgraph_step(gb, args)
     no_temp, no_flops = compiled_figures(step, state, rest)
-    steppers, rows = {"no remat": Stepper(step, state, rest),
-                      "jax": Stepper(jax_step(fn), args[0], args[1])}, []
+    arrangements = jax_arrangements(name)
+    steppers = {"no remat": Stepper(step, state, rest)} | {
+        ("jax", label): stepper for label, (stepper, _) in arrangements.items()}
+    rows = []
     for percent in BUDGETS:
         budget = percent * no_temp // 100
         try:
@@ -269,11 +256,14 @@ def plan_model(name: str, repeats: int):
                      "planning": report["planning_seconds"], "xla": report["xla_seconds"],
                      "used": report.get("used", "-"), "plan": report["plan"]})
     times = interleaved_medians(steppers, repeats=repeats, warmup=1)
+    jax_no_remat = times[("jax", "no remat")]
+    figures = {label: found | {"time": times[("jax", label)] / jax_no_remat}
+               for label, (_, found) in arrangements.items()}
     for row in rows:
         if "temp" in row:
             row["time"] = times[row["percent"]] / times["no remat"]
-            row["time_vs_jax"] = times[row["percent"]] / times["jax"]
-    return rows, (no_temp, no_flops, gb, args)
+            row["time_vs_jax"] = times[row["percent"]] / jax_no_remat
+    return rows, (no_temp, no_flops, gb, args), figures
 
 
 def frontier(no_temp, no_flops, gb, args, points):
@@ -330,8 +320,7 @@ def run(names, quick: bool, plot: str | None):
     table, figure = [], {}
     for name in names:
         started = time.perf_counter()
-        rows, (no_temp, no_flops, gb, args) = plan_model(name, repeats)
-        arrangements = jax_child(name, repeats)
+        rows, (no_temp, no_flops, gb, args), arrangements = plan_model(name, repeats)
         for row in rows:
             label, best = best_fitting(arrangements, row["budget"])
             row["jax"], row["jax_best"] = label, best
@@ -412,12 +401,7 @@ def main(argv=None):
     parser.add_argument("models", nargs="*", help="chain32 resmlp16 transformer6 scan64")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plot", help="write the frontier figure (PNG) here")
-    parser.add_argument("--jax-child", help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, default=9, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.jax_child:
-        print(json.dumps(jax_arrangements(args.jax_child, args.repeats)))
-        return
     table, figure = run(args.models or list(models()), args.quick, args.plot)
     print("\n".join(format_rows(table)))
     print(planning_time())

@@ -90,12 +90,12 @@ class _Stepper:
         return out
 
 
-def jax_step(fn):
+def jax_step(fn, compiler_options=None):
     def step(params, x):
         loss, grads = jax.value_and_grad(fn)(params, x)
         return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), loss
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
 
 def jgraph_step(fn, args, policy=None):
