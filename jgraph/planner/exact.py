@@ -26,7 +26,8 @@ boundary. In an optimum, the boundaries each step computes form a run from the h
 and the runs nest: the solution reads back as nested segments (`_segments`), the plan space of
 `jgraph.planner.fast`, where the modes are a global keep set instead of one per stage. The MILP
 is exact for the chain model (no memory discretization) and stops at `TIME_LIMIT` seconds with
-the best plan found. `small_enough`: what `planner="auto"` solves here.
+the best plan found (`AUTO_TIME_LIMIT` for `planner="auto"`). `small_enough`: what
+`planner="auto"` solves here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from jgraph.planner.cost import KEPT_BYTE_COST
 from jgraph.planner.fast import FastPlanner, keep_sets
 from jgraph.planner.plan import Plan, Segment
 
-TIME_LIMIT = 60.0
+TIME_LIMIT = 60.0  # planner="exact": the whole planning, MILP included, within this
+AUTO_TIME_LIMIT = 10.0  # planner="auto": the MILP only looks for a plan cheaper than the DP's
 MAX_EXACT_EQNS = 500  # "auto" solves graphs up to this many eqns exactly
 EPSILON = 1e-6  # relative tie-break: hold and compute no boundary without need
 

@@ -165,7 +165,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
         raise _unreachable(target, no_remat, tried)
     _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
     if used == "exact":
-        exact = _exactly(by_mode[plan.base], plan, target, tried, started)
+        exact = _exactly(by_mode[plan.base], plan, target, tried, started, planner)
         report["milp"] = exact[0]
         if exact[1] is not None:
             plan, candidate, estimate, temp = exact[1]
@@ -173,12 +173,14 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
                      len(tried) - 1, recompute_flops(candidate), started)
 
 
-def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: float):
+def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: float,
+             planner: str):
     """(what the MILP did, (plan, graph, estimate, XLA temp) or None): the MILP's plan within
     the model budget `plan` was found at, cheaper than `plan`, if it fits XLA's budget too."""
-    from jgraph.planner.exact import TIME_LIMIT
+    from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT
 
-    seconds = max(TIME_LIMIT - (time.perf_counter() - started), 5.0)
+    limit = TIME_LIMIT if planner == "exact" else AUTO_TIME_LIMIT
+    seconds = max(limit - (time.perf_counter() - started), 2.0)
     own = plan.cost - problem.base_cost  # what the MILP's objective counts
     exact = problem.planner.solve(plan.peak, bound=own * (1 - 1e-6), seconds=seconds)
     if exact is None:
