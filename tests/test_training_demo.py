@@ -104,7 +104,7 @@ def test_the_planner_s_choice_is_described():
             "budget": 4096 * 1024, "budget_given": "50%", "plan": "segments [0-2)",
             "xla_temp": 2048 * 1024, "recompute_flops": 1.5e6, "planning_seconds": 0.25}
     assert demo.describe_plan(info) == (
-        "segments [0-2); backward step's XLA temp 2048.0 KiB for a budget of 4096.0 KiB "
+        "segments [0-2); gradient step's XLA temp 2048.0 KiB for a budget of 4096.0 KiB "
         "(50%, within it); 39 eqns recomputed, 1.5e+06 flops; planned exact in 0.25 s")
     assert "(50%, not reachable: the least temp a plan reaches)" in demo.describe_plan(
         info | {"unmet": True})

@@ -113,7 +113,7 @@ def describe_plan(info: dict) -> str:
     kib = 1024
     fit = ("within it" if not info.get("unmet") else
            "not reachable: the least temp a plan reaches")
-    return (f"{info.get('plan', 'no remat')}; backward step's XLA temp "
+    return (f"{info.get('plan', 'no remat')}; gradient step's XLA temp "
             f"{info['xla_temp'] / kib:.1f} KiB for a budget of {info['budget'] / kib:.1f} KiB "
             f"({info.get('budget_given')}, {fit}); "
             f"{recomputed} eqns recomputed, {info.get('recompute_flops', 0):.3g} flops; planned "

@@ -76,6 +76,7 @@ from jgraph.training.mesh_steps import MeshSteps
 from jgraph.training.optimizer_io import StateFiles
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.period import WholePeriods
+from jgraph.training.remat_step import apply_remat, grad_step
 from jgraph.training.reset import reset
 
 
@@ -134,21 +135,6 @@ def batch_text(inputs, labels) -> str:
     text = lambda t: ", ".join(f"{dtype_of(a)}{list(np.shape(a))}"  # noqa: E731
                                for a in jax.tree.leaves(t))
     return f"inputs {text(inputs)}" + ("" if labels is None else f"; labels {text(labels)}")
-
-
-def _apply_remat(graph: Graph, remat):
-    if remat is None or remat is False:
-        return graph
-    try:
-        from jgraph.remat import remat as remat_transform
-    except ImportError as e:
-        raise TransformError(f"Optimizer(remat={remat!r}) needs jgraph.remat, which is not "
-                             f"available: {e}") from e
-    if remat is True:
-        return remat_transform(graph)
-    if isinstance(remat, dict):
-        return remat_transform(graph, **remat)
-    return remat_transform(graph, policy=remat)
 
 
 def _labelled(graph: Graph, labels) -> Graph:
@@ -236,9 +222,8 @@ class Optimizer(StateFiles, WholePeriods):
         fwd = _labelled(trace(loss_fn, *args, param_argnums=0, has_aux=has_aux), y)
         if plan is not None and self.period > 1:
             return self._mesh_build(fwd, loss_fn, has_aux, arguments, model, keys, x, y)
-        grad = _apply_remat(backward(fwd), self.remat)
-        if self.period > 1:
-            grad = accumulate(grad, self.period, self.loss)
+        grad = grad_step(backward(fwd), self.remat, None if self.period == 1 else
+                         lambda g: accumulate(g, self.period, self.loss))
         opt = optimizer_step(grad, self.tx)
         mode = self.on_nonfinite
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
@@ -282,7 +267,7 @@ class Optimizer(StateFiles, WholePeriods):
         args = arguments(shard(x), shard(y))
         one = without_data_axis(_labelled(trace(loss_fn, *args, param_argnums=0,
                                                 has_aux=has_aux), y), plan.data_axis)
-        grad = accumulate(_apply_remat(backward(one), self.remat), self.period * plan.size,
+        grad = accumulate(apply_remat(backward(one), self.remat), self.period * plan.size,
                           self.loss)
         flag = (lambda g: g) if mode == "ignore" else (lambda g: guard_nonfinite(g))
         graphs = {"forward": fwd, "grad": flag(grad),

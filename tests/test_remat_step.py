@@ -1,0 +1,94 @@
+"""The Optimizer's `remat={"budget": ...}` with a period plans the step that runs: the
+accumulated micro-step, or the backward step before accumulation when XLA places that plan's
+accumulated step in less temp (`jgraph.training.remat_step`)."""
+
+import importlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jgraph as jg
+from jgraph.planner.search import xla_temp
+
+accumulate = importlib.import_module("jgraph.training.accumulate").accumulate
+
+
+def block(p, h):
+    return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def model(params, x):
+    h = jnp.tanh(x @ params["embed"])
+    for p in params["blocks"]:
+        h = jax.checkpoint(block)(p, h)
+    return h @ params["head"]
+
+
+def setup(batch, d_in=64, width=128, hidden=512, classes=10, blocks=3):
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 3 * blocks + 4))
+    dense = lambda a, b: jax.random.normal(next(keys), (a, b)) * a**-0.5  # noqa: E731
+    params = {"embed": dense(d_in, width), "head": dense(width, classes),
+              "blocks": [{"w1": dense(width, hidden), "b1": jnp.zeros(hidden),
+                          "w2": dense(hidden, width)} for _ in range(blocks)]}
+    x = jax.random.normal(next(keys), (batch, d_in))
+    y = jax.random.randint(next(keys), (batch,), 0, classes)
+    return params, x, y
+
+
+def loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(params, x), y).mean()
+
+
+@pytest.mark.parametrize("batch", [16, 512])
+def test_a_budget_with_a_period_keeps_the_better_of_both_orders(batch):
+    params, x, y = setup(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jg.BudgetWarning)
+        opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=4,
+                           remat={"budget": "50%"})
+        opt.init(params, x, y)
+        bwd = jg.backward(jg.trace(loss, params, x, y, param_argnums=0))
+        on_step = jg.remat(accumulate(bwd, 4, "cross_entropy"), budget="50%")
+        before = accumulate(jg.remat(bwd, budget="50%"), 4, "cross_entropy")
+    chosen = opt.graphs["grad"]
+    info = chosen.info["remat"]
+    temps = {"on the step": xla_temp(on_step), "before accumulation": xla_temp(before)}
+    assert info["xla_temp"] == xla_temp(chosen)
+    assert max(temps.values()) > 1.05 * min(temps.values())  # the orders differ here
+    assert not any(t <= info["budget"] for t in temps.values()) and info["unmet"]
+    best = min(temps, key=temps.get)  # each order wins at one batch size
+    assert best == {16: "on the step", 512: "before accumulation"}[batch]
+    assert info["xla_temp"] <= 1.01 * temps[best]
+    assert bool(info.get("planned_on")) == (best == "before accumulation")
+
+
+def test_a_budget_with_a_period_trains_as_no_remat():
+    params, x, y = setup(64)
+    states = []
+    for remat in (None, {"budget": "50%"}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jg.BudgetWarning)
+            opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=2,
+                               remat=remat)
+            state = opt.init(params, x[:32], y[:32])
+        assert remat is None or any("recompute" in e.tags for e in opt.graphs["grad"].eqns)
+        for k in range(4):
+            half = slice(k % 2 * 32, k % 2 * 32 + 32)
+            state = opt.step(state, x[half], y[half])[0]
+        states.append(state.params)
+    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unmet_budget_warns_once_and_says_which_plan_was_kept():
+    params, x, y = setup(512)
+    with pytest.warns(jg.BudgetWarning) as caught:
+        opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=4,
+                           remat={"budget": "10%"})
+        opt.init(params, x, y)
+    assert sum(issubclass(w.category, jg.BudgetWarning) for w in caught) == 1
+    assert opt.graphs["grad"].info["remat"]["unmet"]
