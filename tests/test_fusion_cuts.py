@@ -107,3 +107,27 @@ def test_memory_of_a_graph_with_an_eqn_of_no_outputs():
     gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
     assert any(not e.outputs for e in gb.eqns)
     assert jg.memory(gb).peak_bytes > 0
+
+
+def test_cuts_in_bf16_and_inside_a_backward_scan_body():
+    params, x = residual_args(batch=8, seq=64)
+    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params, x))
+    gb = jg.backward(jg.trace(residual_net, *low, param_argnums=0))
+    assert fusion_cuts(gb)
+    got, want = jg.compile(gb)(*low)[1], jax.grad(residual_net)(*low)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=0.05, atol=2e-4)
+
+    def scanned(ws, x):
+        def body(h, w):
+            return h + jax.nn.gelu(layer_norm(h) @ w[0]) @ w[1], None
+
+        return jnp.mean(layer_norm(jax.lax.scan(body, x, ws)[0]) ** 2)
+
+    ws = (jnp.stack([w1 for w1, _ in params]), jnp.stack([w2 for _, w2 in params]))
+    gs = jg.backward(jg.trace(scanned, ws, x, param_argnums=0))
+    assert any(fusion_cuts(e.params["body"]) for e in gs.eqns if e.op == "scan")
+    got, want = jg.compile(gs)(ws, x)[1], jax.grad(scanned)(ws, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
