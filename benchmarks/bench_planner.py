@@ -38,7 +38,7 @@ from jax import lax
 
 import jgraph as jg
 from benchmarks import interleaved_medians
-from benchmarks.bench_remat import block_args, blocks, chain, chain_args, jax_step
+from benchmarks.bench_remat import Stepper, block_args, blocks, chain, chain_args, jax_step
 from jgraph.memory import donated_step
 
 MIB = 2**20
@@ -181,17 +181,6 @@ def models():
 
 
 # -- measuring -----------------------------------------------------------------------------------
-class Stepper:
-    """A donated step and its state, callable with no arguments (for interleaved timing)."""
-
-    def __init__(self, step, state, rest):
-        self.step, self.state, self.rest = step, jax.tree.map(jnp.copy, state), rest
-
-    def __call__(self):
-        self.state, out = self.step(self.state, self.rest)
-        return out
-
-
 def compiled_figures(step, *args):
     compiled = step.lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes, compiled.cost_analysis()["flops"]

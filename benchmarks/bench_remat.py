@@ -79,7 +79,7 @@ def whole(fn, policy):
     return jax.checkpoint(fn, policy=policy)
 
 
-class _Stepper:
+class Stepper:
     """A donated step and its state, callable with no arguments (for interleaved timing)."""
 
     def __init__(self, step, state, rest):
@@ -131,10 +131,10 @@ def model_rows(model, args, specs, quick):
     for name, jg_fn, jax_fn, policy in specs:
         step, (state, rest) = jgraph_step(jg_fn, args, policy)
         figures[("jgraph", name)] = _figures(step, (state, rest))
-        steppers[("jgraph", name)] = _Stepper(step, state, rest)
+        steppers[("jgraph", name)] = Stepper(step, state, rest)
         ref = jax_step(jax_fn)
         figures[("jax", name)] = _figures(ref, args)
-        steppers[("jax", name)] = _Stepper(ref, args[0], args[1])
+        steppers[("jax", name)] = Stepper(ref, args[0], args[1])
     times = interleaved_medians({f"{k[0]}/{k[1]}": s for k, s in steppers.items()},
                                 repeats=5 if quick else 15, warmup=1)
     base = times["jax/no remat"]

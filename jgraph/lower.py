@@ -27,11 +27,11 @@ does so transitively. In a backward, the cotangent of a residual stream is a cha
 over every layer, read by several transposing fusions (the operands of weight-gradient dots): each
 of them recomputes the whole chain, with strided reads (a 6-layer transformer's step spends half
 its time there, in jgraph and in JAX alike). So on CPU the lowering materialises each backward
-value that a cheap op writes, that two or more readers read, and that is at least
-`CUT_MIN_BYTES` (`fusion_cuts`): it passes through `lax.cond(c < -|c|, zeros, identity)`, with
-`c` its own first element, which is the identity bit for bit (see above) and which XLA cannot
-fuse into. Other platforms fuse by cost and get the value as it is (`lax.platform_dependent`).
-`jg.memory` counts the cut values as buffers.
+value that a cheap op writes at the end of a chain of at least `CUT_MIN_OPS` cheap ops, that two
+or more readers read, and that is at least `CUT_MIN_BYTES` (`fusion_cuts`): it passes through
+`lax.cond(c < -|c|, zeros, identity)`, with `c` its own first element, which is the identity bit
+for bit (see above) and which XLA cannot fuse into. Other platforms fuse by cost and get the
+value as it is (`lax.platform_dependent`). `jg.memory` counts the cut values as buffers.
 """
 
 from __future__ import annotations
