@@ -223,6 +223,7 @@ class _ScanVjp:
     carry_ct: tuple[bool, ...]  # per carry: its cotangent flows through the loop
     y_ct: tuple[bool, ...]  # per y: it has a cotangent
     r_hoisted: tuple  # the hoisted values R reads, as outer atoms
+    shifted: tuple = ()  # (residual j, (carry k, residual j2)): see `carry_shifts`
 
 
 def _carry_activity(body: Graph, nc: int, nk: int, active_in) -> list[bool]:
@@ -267,20 +268,45 @@ def _linearize_scan(eqn: Eqn, needs: set, policies=()):
     cut = split(joint, kinds, len(body.outputs), hoist=True)
     hoisted, outer = _hoist(cut, ins[:nc])
     length = p["length"]
-    stacked = tuple(Var(r.aval.update(shape=(length, *r.aval.shape))) for r in cut.residuals)
+    shifted = carry_shifts(cut, nc, nk)
+    kept = tuple(r for j, r in enumerate(cut.residuals) if j not in shifted)
+    stacked = tuple(Var(r.aval.update(shape=(length, *r.aval.shape))) for r in kept)
+    n_out = len(body.outputs)
+    forward = cut.forward.replace(outputs=cut.forward.outputs[:n_out] + kept,
+                                  output_roles=("aux",) * (n_out + len(kept)))
     new = dataclasses.replace(
         eqn, inputs=ins[:nc] + tuple(outer[v] for v in cut.hoisted_vars) + ins[nc:],
         outputs=eqn.outputs + stacked,
-        params={**p, "body": cut.forward, "num_consts": nc + len(cut.hoisted_vars)})
+        params={**p, "body": forward, "num_consts": nc + len(cut.hoisted_vars)})
     r_hoisted = tuple(outer[v] for v in cut.hoisted_read)
-    return hoisted, new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct), r_hoisted)
+    return hoisted, new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct), r_hoisted,
+                                  tuple(sorted(shifted.items())))
+
+
+def carry_shifts(cut: Split, nc: int, nk: int) -> dict[int, tuple[int, int]]:
+    """{residual j: (carry k, residual j2)} for each residual that is the body's carry output k
+    while the carry's input is residual j2: iteration i's value of j is iteration i+1's of j2
+    (the loop's final carry k for the last iteration), which the loop stacks already. The
+    backward loop carries it from one iteration to the next instead of the forward loop
+    stacking it again (a scanned `tanh` layer's output, which its VJP reads, is the next
+    layer's input: half of what no remat stacks)."""
+    position = {r: j for j, r in enumerate(cut.residuals)}
+    inputs = set(cut.forward.inputs)
+    carry_in = cut.forward.inputs[nc + len(cut.hoisted_vars):][:nk]
+    shifted = {}
+    for k, (out, into) in enumerate(zip(cut.forward.outputs[:nk], carry_in, strict=True)):
+        j, j2 = position.get(out), position.get(into)
+        if j is not None and j2 is not None and out not in inputs and j not in shifted \
+                and out.aval == into.aval:
+            shifted[j] = (k, j2)
+    return shifted
 
 
 def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
     p, cut = eqn.params, how.split
     n_h = len(cut.hoisted_vars)
     nc, nk = p["num_consts"] - n_h, p["num_carry"]
-    n_y = len(p["body"].outputs) - nk - len(cut.residuals)
+    n_y = len(p["body"].outputs) - nk - len(cut.residuals) + len(how.shifted)
     ins = eqn.inputs[:nc] + eqn.inputs[nc + n_h:]  # the scan's own operands, as linearized
     R = cut.backward
     n_const_res = len(cut.const_res) + len(how.r_hoisted)
@@ -296,34 +322,41 @@ def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
     ct_consts = R.outputs[:len(wrt_consts)]
     ct_carry = R.outputs[len(wrt_consts):len(wrt_consts) + n_carry_ct]
     ct_xs = R.outputs[len(wrt_consts) + n_carry_ct:]
-    # The backward body: consts, carry = (carry cts, const accumulators), xs = (residuals, x
-    # residuals, y cts) -> (carry cts of the previous iteration, accumulators; x cts).
+    # The backward body: consts, carry = (carry cts, const accumulators, shifted residuals),
+    # xs = (residuals, x residuals, y cts) -> (carry cts of the previous iteration,
+    # accumulators, the shifted residuals' values for the previous iteration; x cts).
     inner = Builder(tags={"backward"})
     accs = tuple(Var(ins[k].aval.update(weak_type=False)) for k in wrt_consts)
     new_accs = [inner.call(jnp.add, acc, ct)[0] for acc, ct in zip(accs, ct_consts, strict=True)]
-    body = Graph(inputs=tuple(r_const) + tuple(r_ct_carry) + accs + tuple(r_res) + tuple(r_x)
-                 + tuple(r_ct_y),
-                 eqns=R.eqns + tuple(inner.eqns), outputs=tuple(ct_carry) + tuple(new_accs)
-                 + tuple(ct_xs), input_roles=("data",) * (len(R.inputs) + len(accs)),
-                 output_roles=("aux",) * (n_carry_ct + len(accs) + len(ct_xs)))
+    shifted = dict(how.shifted)
+    r_shift = tuple(r_res[j] for j in shifted)
+    next_shift = tuple(r_res[j2] for _, j2 in shifted.values())
+    r_stacked = tuple(r for j, r in enumerate(r_res) if j not in shifted)
+    n_carry = n_carry_ct + len(accs) + len(r_shift)
+    body = Graph(inputs=tuple(r_const) + tuple(r_ct_carry) + accs + r_shift + r_stacked
+                 + tuple(r_x) + tuple(r_ct_y),
+                 eqns=R.eqns + tuple(inner.eqns),
+                 outputs=tuple(ct_carry) + tuple(new_accs) + next_shift + tuple(ct_xs),
+                 input_roles=("data",) * (len(R.inputs) + len(accs)),
+                 output_roles=("aux",) * (n_carry + len(ct_xs)))
     carry_outs = [k for k in range(nk) if how.carry_ct[k]]
     init = [out_cts[k] if out_cts[k] is not None else _zeros_like(b, eqn.outputs[k])
             for k in carry_outs]
     init += [_zeros_like(b, acc) for acc in accs]
+    init += [eqn.outputs[k] for k, _ in shifted.values()]  # the last iteration's: final carry
     y_cts = [out_cts[nk + j] if out_cts[nk + j] is not None else
              _zeros_like(b, eqn.outputs[nk + j]) for j in range(n_y) if how.y_ct[j]]
     xs = list(eqn.outputs[nk + n_y:]) + [ins[k] for k in cut.x_res] + y_cts
     consts = [ins[k] for k in cut.const_res] + list(how.r_hoisted)
     outs = b.bind("scan", *consts, *init, *xs, body=body,
                   length=p["length"], reverse=not p["reverse"],
-                  num_consts=n_const_res, num_carry=n_carry_ct + len(accs),
-                  unroll=p.get("unroll", 1))
+                  num_consts=n_const_res, num_carry=n_carry, unroll=p.get("unroll", 1))
     cts = [None] * len(ins)
     for k, ct in zip(carry_outs, outs[:n_carry_ct], strict=True):
         cts[nc + k] = ct
     for k, ct in zip(wrt_consts, outs[n_carry_ct:n_carry_ct + len(accs)], strict=True):
         cts[k] = ct
-    for k, ct in zip(wrt_xs, outs[n_carry_ct + len(accs):], strict=True):
+    for k, ct in zip(wrt_xs, outs[n_carry:], strict=True):
         cts[k] = ct
     cts = cts[:nc] + [None] * n_h + cts[nc:]  # hoisted values: computed from consts, no ct
     return [ct if use else None for ct, use in zip(cts, needed, strict=True)]
