@@ -90,15 +90,19 @@ REFERENCES = {}
 def reference(period, remat):
     """Params after 8 optimizer steps on one device, no mesh."""
     if (period, remat) not in REFERENCES:
-        REFERENCES[period, remat] = train(optimizer(None, period, remat=remat), 8 * period)[0]
+        planned = {"budget": "50%"} if remat == "budget" else remat
+        REFERENCES[period, remat] = train(optimizer(None, period, remat=planned),
+                                          8 * period)[0]
     return REFERENCES[period, remat]
 
 
 def check_equal(k, period, remat=None, fsdp=False):
-    opt = optimizer(k, period, remat=remat, param_sharding=FSDP if fsdp else None)
+    """`remat`: True (every checkpoint region), "budget" (half the step's temp) or None."""
+    planned = {"budget": "50%"} if remat == "budget" else remat
+    opt = optimizer(k, period, remat=planned, param_sharding=FSDP if fsdp else None)
     state, _ = train(opt, 8 * period)
     specs = {name: a.sharding.spec for name, a in state.params.items()}
-    report(f"equal k={k} period={period} remat={bool(remat)} fsdp={fsdp}",
+    report(f"equal k={k} period={period} remat={remat or False} fsdp={fsdp}",
            rel=rel(state.params, reference(period, remat).params),
            specs_kept=all(specs[n] == (FSDP[n] if fsdp else P()) for n in specs))
 
@@ -316,6 +320,7 @@ def suite(slow: bool):
     for k, period in ((1, 1), (2, 4), (4, 1), (8, 1), (8, 4)):  # every k, both periods
         run(check_equal, k, period)
     run(check_equal, 8, 4, remat=True)
+    run(check_equal, 4, 4, remat="budget")
     run(check_equal, 8, 1, remat=True)
     run(check_equal, 4, 4, fsdp=True)
     run(check_equal, 8, 1, fsdp=True)

@@ -92,3 +92,27 @@ def test_an_unmet_budget_warns_once_and_says_which_plan_was_kept():
         opt.init(params, x, y)
     assert sum(issubclass(w.category, jg.BudgetWarning) for w in caught) == 1
     assert opt.graphs["grad"].info["remat"]["unmet"]
+
+
+def test_a_mesh_with_a_period_plans_its_shard_step_alike():
+    """On a mesh (one device here) the period's micro-step is one data shard's; its budget is
+    planned as on one device: both orders, the better kept, training as without the mesh."""
+    from jax.sharding import Mesh
+
+    params, x, y = setup(512)
+    graphs = {}
+    for mesh in (None, Mesh(np.array(jax.devices()[:1]), ("data",))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jg.BudgetWarning)
+            opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=4,
+                               remat={"budget": "50%"}, mesh=mesh)
+            state = opt.init(params, x, y)
+        for _ in range(4):
+            state = opt.step(state, x, y)[0]
+        graphs[mesh is None] = (opt.graphs["grad"].info["remat"], state.params)
+    (on_mesh, trained), (alone, want) = graphs[False], graphs[True]
+    assert on_mesh.get("planned_on") == alone.get("planned_on") == (
+        "the backward step, before accumulation")
+    assert on_mesh["xla_temp"] == alone["xla_temp"]
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

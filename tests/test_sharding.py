@@ -220,6 +220,7 @@ def test_params_equal_the_single_device_run(suite):
     equal = {name: r for name, r in suite.items() if name.startswith("equal")}
     assert {int(name.split()[1][2:]) for name in equal} == {1, 2, 4, 8}
     assert any("remat=True" in n for n in equal) and any("fsdp=True" in n for n in equal)
+    assert "equal k=4 period=4 remat=budget fsdp=False" in equal
     for name, r in equal.items():
         assert r["rel"] <= RTOL, (name, r)
         assert r["specs_kept"], name  # params keep their sharding through every step

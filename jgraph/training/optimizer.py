@@ -76,7 +76,7 @@ from jgraph.training.mesh_steps import MeshSteps
 from jgraph.training.optimizer_io import StateFiles
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.period import WholePeriods
-from jgraph.training.remat_step import apply_remat, grad_step
+from jgraph.training.remat_step import grad_step
 from jgraph.training.reset import reset
 
 
@@ -267,8 +267,8 @@ class Optimizer(StateFiles, WholePeriods):
         args = arguments(shard(x), shard(y))
         one = without_data_axis(_labelled(trace(loss_fn, *args, param_argnums=0,
                                                 has_aux=has_aux), y), plan.data_axis)
-        grad = accumulate(apply_remat(backward(one), self.remat), self.period * plan.size,
-                          self.loss)
+        grad = grad_step(backward(one), self.remat,
+                         lambda g: accumulate(g, self.period * plan.size, self.loss))
         flag = (lambda g: g) if mode == "ignore" else (lambda g: guard_nonfinite(g))
         graphs = {"forward": fwd, "grad": flag(grad),
                   "update": flag(optimizer_step(update_only(grad), self.tx)),
