@@ -89,6 +89,7 @@ def protection_plan(graph: Graph):
 
 CUT_MIN_BYTES = 1 << 16  # a duplicated chain of smaller values costs less than a buffer
 CUT_MIN_OPS = 8  # a shorter chain recomputed in each reader costs less than a buffer
+FUSION_CUTS = True  # False: lower (and model memory) without cuts, to compare (bench_cuts)
 
 
 def fusion_cuts(graph: Graph) -> set[Var]:
@@ -98,6 +99,8 @@ def fusion_cuts(graph: Graph) -> set[Var]:
     readers (a cut ends a chain). Sub-graphs have their own."""
     from jgraph.memory import opkinds  # jgraph.memory reads this module's protection plan
 
+    if not FUSION_CUTS:
+        return set()
     readers: dict[Var, int] = {}
     for eqn in graph.eqns:
         for a in {a for a in eqn.inputs if isinstance(a, Var)}:

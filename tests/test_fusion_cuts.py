@@ -56,6 +56,16 @@ def test_no_cuts_in_a_forward_graph_or_below_the_size(joint):
     assert not fusion_cuts(jg.backward(jg.trace(residual_net, *small, param_argnums=0)))
 
 
+def test_the_switch_turns_cuts_off_for_comparisons(joint, monkeypatch):
+    """`jgraph.lower.FUSION_CUTS = False` (bench_cuts' baseline): no cut, no conditional."""
+    import jgraph.lower
+
+    gb, args = joint
+    monkeypatch.setattr(jgraph.lower, "FUSION_CUTS", False)
+    assert not fusion_cuts(gb)
+    assert " conditional(" not in jg.compile(gb).lower(*args).compile().as_text()
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="cuts are lowered on CPU only")
 def test_cuts_are_conditionals_in_the_compiled_step_and_exact(joint):
     gb, args = joint
