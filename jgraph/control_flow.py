@@ -95,7 +95,8 @@ def _scan_shape(*avals, body, length, num_consts, num_carry, **_):
     return outs[:num_carry] + [a.update(shape=(length, *a.shape)) for a in outs[num_carry:]]
 
 
-def _scan_lowering(*values, interpret, body, length, reverse, num_consts, num_carry, unroll=1):
+def _scan_lowering(*values, interpret, body, length, reverse, num_consts, num_carry, unroll=1,
+                   **_):  # keep_every: a hint to the scan's VJP (`jgraph.vjp_rules.scan_restart`)
     consts, carry = list(values[:num_consts]), list(values[num_consts:num_consts + num_carry])
     xs = list(values[num_consts + num_carry:])
 

@@ -15,6 +15,12 @@ rewritten forward graph (the graph `backward` recorded in `info["backward_of"]`)
   backward iteration of it runs the inner scan again, so the memory of L iterations shrinks to
   about 2 sqrt(L) (a 256-layer scanned model fits budgets per-layer checkpointing cannot).
 
+- "scans keeping every k-th carry" (k the integer nearest sqrt(L), 1.5 or 2 sqrt(L)): every scan's
+  body keeps its inputs, and when those are carries the forward keeps only every k-th iteration's
+  and each backward iteration recomputes its carries from the nearest kept ones (up to k-1
+  forward iterations, (k-1)/2 on average; `jgraph.vjp_rules.scan_restart`): L/k carries, below
+  what nested scans reach (a 64-layer scan: 4 or 8 carries, against 16 for "split in two").
+
 The planner plans each mode's graph and keeps the cheapest plan that fits.
 """
 
@@ -45,7 +51,28 @@ def modes(forward: Graph) -> dict[str, tuple[Graph, object]]:
         if thrice is not forward:
             found["scans split in three, bodies keeping their inputs"] = (
                 thrice, policies.nothing_saveable)
+    for times, name in ((1, "sqrt L"), (1.5, "1.5 sqrt L"), (2, "2 sqrt L")):
+        kept = keep_every(forward, times)
+        if kept is not forward:
+            found[f"scans keeping every k-th carry, k = {name}"] = (kept, None)
     return found
+
+
+def keep_every(graph: Graph, times: int = 1) -> Graph:
+    """`graph` with each top-level scan of length 4 or more marked `keep_every=k`, k the integer
+    nearest `times` sqrt(length) (at most length - 1): its backward keeps every k-th carry and
+    recomputes the others from it (`jgraph.vjp_rules.scan_restart`)."""
+    import dataclasses
+
+    eqns, changed = [], False
+    for eqn in graph.eqns:
+        length = eqn.params.get("length", 0) if eqn.op == "scan" else 0
+        if length >= 4:
+            k = min(max(2, round(times * length**0.5)), length - 1)
+            eqn = dataclasses.replace(eqn, params={**eqn.params, "keep_every": k})
+            changed = True
+        eqns.append(eqn)
+    return graph.replace(eqns=tuple(eqns)) if changed else graph
 
 
 def split_factor(length: int, levels: int = 2) -> int | None:

@@ -35,6 +35,9 @@ import jax.numpy as jnp
 from jgraph import ops
 from jgraph.builder import Builder
 from jgraph.ir import Eqn, Graph, Var, is_float, sub_graphs
+from jgraph.policies import nothing_saveable
+from jgraph.vjp_rules import scan_restart
+from jgraph.vjp_rules.scan_restart import restartable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +227,7 @@ class _ScanVjp:
     y_ct: tuple[bool, ...]  # per y: it has a cotangent
     r_hoisted: tuple  # the hoisted values R reads, as outer atoms
     shifted: tuple = ()  # (residual j, (carry k, residual j2)): see `carry_shifts`
+    keep_every: int | None = None  # the forward keeps every k-th carry (`scan_restart`)
 
 
 def _carry_activity(body: Graph, nc: int, nk: int, active_in) -> list[bool]:
@@ -263,22 +267,33 @@ def _linearize_scan(eqn: Eqn, needs: set, policies=()):
     carry_ct = [c and f for c, f in zip(carry_ct, floating[nc:nc + nk], strict=True)]
     wrt = wants[:nc] + carry_ct + wants[nc + nk:]
     y_ct = [v in needs and is_float(v.aval) for v in eqn.outputs[nk:]]
+    every = p.get("keep_every")
+    if every:
+        policies = tuple(policies) + (nothing_saveable,)  # the body keeps its inputs
     joint = joint_body(body, wrt, carry_ct + y_ct, policies)
     kinds = ["const"] * nc + ["carry"] * nk + ["x"] * (len(ins) - nc - nk)
     cut = split(joint, kinds, len(body.outputs), hoist=True)
     hoisted, outer = _hoist(cut, ins[:nc])
+    r_hoisted = tuple(outer[v] for v in cut.hoisted_read)
+    n_out, first_carry = len(body.outputs), nc + len(cut.hoisted_vars)
+    if every and restartable(cut.forward, cut.residuals, first_carry, nk):
+        forward = cut.forward.replace(outputs=cut.forward.outputs[:n_out],
+                                      output_roles=("aux",) * n_out)
+        init, new = scan_restart.forward(
+            eqn, forward, first_carry, nk, every,
+            ins[:nc] + tuple(outer[v] for v in cut.hoisted_vars) + ins[nc:])
+        return hoisted + init, new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct),
+                                             r_hoisted, (), every)
     length = p["length"]
     shifted = carry_shifts(cut, nc, nk)
     kept = tuple(r for j, r in enumerate(cut.residuals) if j not in shifted)
     stacked = tuple(Var(r.aval.update(shape=(length, *r.aval.shape))) for r in kept)
-    n_out = len(body.outputs)
     forward = cut.forward.replace(outputs=cut.forward.outputs[:n_out] + kept,
                                   output_roles=("aux",) * (n_out + len(kept)))
     new = dataclasses.replace(
         eqn, inputs=ins[:nc] + tuple(outer[v] for v in cut.hoisted_vars) + ins[nc:],
         outputs=eqn.outputs + stacked,
         params={**p, "body": forward, "num_consts": nc + len(cut.hoisted_vars)})
-    r_hoisted = tuple(outer[v] for v in cut.hoisted_read)
     return hoisted, new, _ScanVjp(cut, tuple(wrt), tuple(carry_ct), tuple(y_ct), r_hoisted,
                                   tuple(sorted(shifted.items())))
 
@@ -305,9 +320,13 @@ def carry_shifts(cut: Split, nc: int, nk: int) -> dict[int, tuple[int, int]]:
 def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
     p, cut = eqn.params, how.split
     n_h = len(cut.hoisted_vars)
-    nc, nk = p["num_consts"] - n_h, p["num_carry"]
-    n_y = len(p["body"].outputs) - nk - len(cut.residuals) + len(how.shifted)
-    ins = eqn.inputs[:nc] + eqn.inputs[nc + n_h:]  # the scan's own operands, as linearized
+    nc, nk, n_y = p["num_consts"] - n_h, p["num_carry"], len(how.y_ct)
+    n_kept = 0  # a scan keeping every k-th carry: a step counter and a buffer per carry
+    if how.keep_every:
+        nk = (nk - 1) // 2
+        n_kept = nk + 1
+    # the scan's own operands, as linearized
+    ins = eqn.inputs[:nc] + eqn.inputs[nc + n_h:nc + n_h + nk] + eqn.inputs[nc + n_h + nk + n_kept:]
     R = cut.backward
     n_const_res = len(cut.const_res) + len(how.r_hoisted)
     n_res, n_x_res = len(cut.residuals), len(cut.x_res)
@@ -333,24 +352,33 @@ def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
     next_shift = tuple(r_res[j2] for _, j2 in shifted.values())
     r_stacked = tuple(r for j, r in enumerate(r_res) if j not in shifted)
     n_carry = n_carry_ct + len(accs) + len(r_shift)
-    body = Graph(inputs=tuple(r_const) + tuple(r_ct_carry) + accs + r_shift + r_stacked
-                 + tuple(r_x) + tuple(r_ct_y),
-                 eqns=R.eqns + tuple(inner.eqns),
+    kept = None
+    if how.keep_every:  # the residuals (carries) are recomputed from the kept ones
+        kept = scan_restart.recompute(b, eqn, cut.forward, nc + n_h, nk, how.keep_every, r_res)
+        r_stacked = ()
+    kept_consts, kept_eqns = (kept.consts, kept.eqns) if kept else ((), ())
+    body_inputs = (tuple(r_const) + kept_consts + tuple(r_ct_carry) + accs + r_shift
+                   + r_stacked + ((kept.step,) if kept else ()) + tuple(r_x) + tuple(r_ct_y))
+    body = Graph(inputs=body_inputs, eqns=kept_eqns + R.eqns + tuple(inner.eqns),
                  outputs=tuple(ct_carry) + tuple(new_accs) + next_shift + tuple(ct_xs),
-                 input_roles=("data",) * (len(R.inputs) + len(accs)),
+                 input_roles=("data",) * len(body_inputs),
                  output_roles=("aux",) * (n_carry + len(ct_xs)))
     carry_outs = [k for k in range(nk) if how.carry_ct[k]]
     init = [out_cts[k] if out_cts[k] is not None else _zeros_like(b, eqn.outputs[k])
             for k in carry_outs]
     init += [_zeros_like(b, acc) for acc in accs]
     init += [eqn.outputs[k] for k, _ in shifted.values()]  # the last iteration's: final carry
-    y_cts = [out_cts[nk + j] if out_cts[nk + j] is not None else
-             _zeros_like(b, eqn.outputs[nk + j]) for j in range(n_y) if how.y_ct[j]]
-    xs = list(eqn.outputs[nk + n_y:]) + [ins[k] for k in cut.x_res] + y_cts
-    consts = [ins[k] for k in cut.const_res] + list(how.r_hoisted)
+    first_y = nk + n_kept
+    y_cts = [out_cts[first_y + j] if out_cts[first_y + j] is not None else
+             _zeros_like(b, eqn.outputs[first_y + j]) for j in range(n_y) if how.y_ct[j]]
+    xs = (list(eqn.outputs[first_y + n_y:]) + ([kept.steps] if kept else [])
+          + [ins[k] for k in cut.x_res] + y_cts)
+    consts = [ins[k] for k in cut.const_res] + list(how.r_hoisted) + list(
+        kept.const_atoms if kept else ())
     outs = b.bind("scan", *consts, *init, *xs, body=body,
                   length=p["length"], reverse=not p["reverse"],
-                  num_consts=n_const_res, num_carry=n_carry, unroll=p.get("unroll", 1))
+                  num_consts=n_const_res + len(kept_consts), num_carry=n_carry,
+                  unroll=p.get("unroll", 1))
     cts = [None] * len(ins)
     for k, ct in zip(carry_outs, outs[:n_carry_ct], strict=True):
         cts[nc + k] = ct
@@ -358,7 +386,8 @@ def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
         cts[k] = ct
     for k, ct in zip(wrt_xs, outs[n_carry:], strict=True):
         cts[k] = ct
-    cts = cts[:nc] + [None] * n_h + cts[nc:]  # hoisted values: computed from consts, no ct
+    # hoisted values: computed from consts; a step counter and kept carries: no ct
+    cts = cts[:nc] + [None] * n_h + cts[nc:nc + nk] + [None] * n_kept + cts[nc + nk:]
     return [ct if use else None for ct, use in zip(cts, needed, strict=True)]
 
 
