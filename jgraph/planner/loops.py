@@ -21,6 +21,10 @@ rewritten forward graph (the graph `backward` recorded in `info["backward_of"]`)
   forward iterations, (k-1)/2 on average; `jgraph.vjp_rules.scan_restart`): L/k carries, below
   what nested scans reach (a 64-layer scan: 4 or 8 carries, against 16 for "split in two").
 
+- "cond branches planned to 50% (25%) of their peak": each cond's branches, forward and backward,
+  planned like straight-line code (`planned_branch`): a cond marked `plan_fraction=f` returns
+  what its branch's plan keeps, and its backward recomputes the plan's segments.
+
 The planner plans each mode's graph and keeps the cheapest plan that fits.
 """
 
@@ -55,7 +59,63 @@ def modes(forward: Graph) -> dict[str, tuple[Graph, object]]:
         kept = keep_every(forward, times)
         if kept is not forward:
             found[f"scans keeping every k-th carry, k = {name}"] = (kept, None)
+    for fraction in BRANCH_FRACTIONS:
+        planned = _marked(forward, "cond", plan_fraction=fraction)
+        if planned is not forward:
+            found["cond branches planned to their least memory" if fraction == 0 else
+                  f"cond branches planned to {fraction:.0%} of their peak"] = (planned, None)
     return found
+
+
+BRANCH_FRACTIONS = (0.5, 0.25, 0.0)
+
+
+def _marked(graph: Graph, op: str, **params) -> Graph:
+    """`graph` with `params` added to each of its top-level `op` eqns."""
+    import dataclasses
+
+    if not any(e.op == op for e in graph.eqns):
+        return graph
+    return graph.replace(eqns=tuple(
+        dataclasses.replace(e, params={**e.params, **params}) if e.op == op else e
+        for e in graph.eqns))
+
+
+def planned_branch(joint: Graph, fraction: float) -> Graph:
+    """A cond branch's joint graph (forward and backward) planned like straight-line code: the
+    fast planner's cheapest plan within `fraction` of the branch's peak without a plan, in the
+    planner's chain model (or its least-memory plan), applied. A branch runs once, so what its
+    plan keeps is what the cond returns for its backward, and its segments are recomputed
+    there."""
+    from jgraph.memory import nbytes
+    from jgraph.planner import fast
+    from jgraph.planner.search import Problem
+
+    if all(e.tags & {"backward", "recompute"} for e in joint.eqns):
+        return joint
+    problem = Problem.of(joint)
+    high = sum(nbytes(v.aval) for e in joint.eqns for v in e.outputs) + 1
+    planner = fast.FastPlanner(problem.stages, high)
+    least = planner.smallest()
+    if least is None:
+        return joint
+    budget = max(fraction * _unplanned_peak(planner, least[0], high), least[0])
+    plan = min(planner.plans(budget), key=lambda p: p.cost, default=least[1])
+    return problem.build(plan) if plan.segments else joint
+
+
+def _unplanned_peak(planner, low: float, high: float) -> float:
+    """The least budget (bytes of the chain model) at which the planner's cheapest plan costs
+    what it costs without a memory limit: the branch's peak without remat, as the model sees
+    it (a bisection)."""
+    def cost(budget):
+        return min((p.cost for p in planner.plans(budget)), default=float("inf"))
+
+    free = cost(high)
+    for _ in range(24):
+        mid = (low + high) / 2
+        low, high = (low, mid) if cost(mid) <= free * (1 + 1e-9) else (mid, high)
+    return high
 
 
 def keep_every(graph: Graph, times: int = 1) -> Graph:

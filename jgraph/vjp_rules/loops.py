@@ -18,7 +18,11 @@ by F and R as consts, instead of being stacked `length` times or recomputed by e
 A checkpoint region around the loop whose policy saves something inside it applies that policy
 inside the body (`pushed_policies`), as JAX's policies see through loops.
 The backward scan runs in the other direction with the carries' cotangents as its carries, plus
-one accumulator per const (their cotangents summed over iterations).
+one accumulator per const (their cotangents summed over iterations). A residual that is the
+body's carry output while that carry's input is a residual too is not stacked: iteration i's value
+is iteration i+1's carry input, so the backward scan carries it from one iteration to the next,
+starting from the final carry (`carry_shifts`). A scan marked `keep_every=k` keeps only every k-th
+carry, and its backward recomputes the others (`jgraph.vjp_rules.scan_restart`).
 
 `cond`: each branch is linearized alike (a branch runs once: every forward value its R reads is a
 residual); the forward cond returns every branch's residual slots (zeros in the slots of the
@@ -395,7 +399,7 @@ def _transpose_scan(b: Builder, eqn: Eqn, how: _ScanVjp, out_cts, needed):
 @dataclasses.dataclass(frozen=True)
 class _CondVjp:
     splits: tuple[Split, ...]  # per branch
-    slots: tuple[tuple[int, int], ...]  # per branch: its residuals' (start, stop) among the slots
+    slots: tuple[tuple[int, ...], ...]  # per branch: the slot of each of its residuals
     wrt: tuple[bool, ...]  # per operand: its cotangent is computed
     with_ct: tuple[bool, ...]  # per output: it has a cotangent
 
@@ -406,26 +410,47 @@ def _linearize_cond(eqn: Eqn, needs: set, policies=()):
     wrt = [isinstance(a, Var) and a in needs and is_float(a.aval) for a in operands]
     with_ct = [v in needs and is_float(v.aval) for v in eqn.outputs]
     n_out = len(eqn.outputs)
-    splits = [split(joint_body(g, wrt, with_ct, policies), ["const"] * len(operands), n_out)
-              for g in branches]
-    slots, start = [], 0
-    for s in splits:
-        slots.append((start, start + len(s.residuals)))
-        start += len(s.residuals)
-    slot_avals = [r.aval for s in splits for r in s.residuals]
+    joints = [joint_body(g, wrt, with_ct, policies) for g in branches]
+    fraction = eqn.params.get("plan_fraction")
+    if fraction is not None:  # each branch's forward and backward planned like straight code
+        from jgraph.planner.loops import planned_branch
+
+        joints = [planned_branch(j, fraction) for j in joints]
+    splits = [split(j, ["const"] * len(operands), n_out) for j in joints]
+    slots, slot_avals = cond_slots(splits)
     forwards = []
-    for s, (lo, hi) in zip(splits, slots, strict=True):
-        fill = Builder()  # the slots of the other branches hold zeros
-        zeros = [fill.call(jnp.zeros, shape=a.shape, dtype=a.dtype)[0] for a in slot_avals]
-        outs = s.forward.outputs
+    for s, mine in zip(splits, slots, strict=True):
+        fill = Builder()  # the slots the branch does not use hold zeros
+        held = dict(zip(mine, s.forward.outputs[n_out:], strict=True))
+        outs = [held[k] if k in held else
+                fill.call(jnp.zeros, shape=a.shape, dtype=a.dtype)[0]
+                for k, a in enumerate(slot_avals)]
         forwards.append(s.forward.replace(
             eqns=s.forward.eqns + tuple(fill.eqns),
-            outputs=outs[:n_out] + tuple(zeros[:lo]) + outs[n_out:] + tuple(zeros[hi:]),
+            outputs=s.forward.outputs[:n_out] + tuple(outs),
             output_roles=("aux",) * (n_out + len(slot_avals))))
     res = tuple(Var(a) for a in slot_avals)
     new = dataclasses.replace(eqn, outputs=eqn.outputs + res,
                               params={**eqn.params, "branches": tuple(forwards)})
     return [], new, _CondVjp(tuple(splits), tuple(slots), tuple(wrt), tuple(with_ct))
+
+
+def cond_slots(splits) -> tuple[list[tuple[int, ...]], list]:
+    """(per branch, the slot of each residual; the slots' avals). Only one branch runs, so
+    branches share slots: a residual takes a slot of its aval that an earlier branch uses and
+    its own branch does not yet, or a new one (two branches of the same layers need one set)."""
+    slot_avals, slots = [], []
+    for s in splits:
+        mine = []
+        for r in s.residuals:
+            k = next((k for k, a in enumerate(slot_avals) if a == r.aval and k not in mine),
+                     None)
+            if k is None:
+                k = len(slot_avals)
+                slot_avals.append(r.aval)
+            mine.append(k)
+        slots.append(tuple(mine))
+    return slots, slot_avals
 
 
 def _transpose_cond(b: Builder, eqn: Eqn, how: _CondVjp, out_cts, needed):
@@ -435,14 +460,15 @@ def _transpose_cond(b: Builder, eqn: Eqn, how: _CondVjp, out_cts, needed):
     slot_vars = eqn.outputs[n_out:]
     ct_outs = [k for k in range(n_out) if how.with_ct[k]]
     branches = []
-    for s, (lo, hi) in zip(how.splits, how.slots, strict=True):
+    for s, mine in zip(how.splits, how.slots, strict=True):
         R = s.backward  # inputs: const residuals (operands), own residuals, cts
         op_vars = [Var(a.aval) for a in operands]
         for i, k in enumerate(s.const_res):
             op_vars[k] = R.inputs[i]
         slots = [Var(v.aval) for v in slot_vars]
-        slots[lo:hi] = R.inputs[len(s.const_res):len(s.const_res) + hi - lo]
-        ct_vars = R.inputs[len(s.const_res) + hi - lo:]
+        for i, k in enumerate(mine):
+            slots[k] = R.inputs[len(s.const_res) + i]
+        ct_vars = R.inputs[len(s.const_res) + len(mine):]
         inputs = tuple(op_vars) + tuple(slots) + tuple(ct_vars)
         branches.append(Graph(inputs=inputs, eqns=R.eqns, outputs=R.outputs,
                               input_roles=("data",) * len(inputs),
