@@ -91,6 +91,8 @@ def test_gradients_equal_value_and_grad(fn, k):
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(jg.evaluate(gb, WS, X)[1], want_grad, rtol=2e-5, atol=1e-6)
+    plain = jg.backward(jg.trace(fn, WS, X, param_argnums=0))  # the same ops on the same values
+    np.testing.assert_array_equal(jg.evaluate(gb, WS, X)[1], jg.evaluate(plain, WS, X)[1])
 
 
 @pytest.mark.f64
