@@ -128,3 +128,17 @@ def test_the_planner_plans_a_cond_heavy_step_below_what_loop_policies_reach():
     assert report["xla_temp"] <= budget
     for got, want in zip(jg.compile(gr)(ws, x)[1], jg.compile(gb)(ws, x)[1], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_planned_branch_replaces_the_branchs_own_checkpoints():
+    """A branch with `jax.checkpoint` inside: the plan replaces its regions (as the planner
+    replaces the step's), and gradients stay those of no remat."""
+    def checkpointed(ws, x):
+        h = lax.cond(jnp.sum(x) > 0, jax.checkpoint(layers), lambda ws, h: h, ws, x)
+        return jnp.mean(h ** 2)
+
+    ws, x = args()
+    x = np.abs(x)
+    gb = jg.check(jg.backward(marked(jg.trace(checkpointed, ws, x, param_argnums=0), 0.0)))
+    for got, want in zip(jg.compile(gb)(ws, x)[1], jax.grad(checkpointed)(ws, x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)

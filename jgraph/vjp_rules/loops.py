@@ -410,12 +410,15 @@ def _linearize_cond(eqn: Eqn, needs: set, policies=()):
     wrt = [isinstance(a, Var) and a in needs and is_float(a.aval) for a in operands]
     with_ct = [v in needs and is_float(v.aval) for v in eqn.outputs]
     n_out = len(eqn.outputs)
-    joints = [joint_body(g, wrt, with_ct, policies) for g in branches]
     fraction = eqn.params.get("plan_fraction")
-    if fraction is not None:  # each branch's forward and backward planned like straight code
-        from jgraph.planner.loops import planned_branch
+    if fraction is None:
+        joints = [joint_body(g, wrt, with_ct, policies) for g in branches]
+    else:  # each branch's forward and backward planned like straight-line code, the plan
+        from jgraph.planner.loops import planned_branch  # replacing the branch's own regions
+        from jgraph.remat import without_regions
 
-        joints = [planned_branch(j, fraction) for j in joints]
+        joints = [planned_branch(joint_body(without_regions(g), wrt, with_ct, policies),
+                                 fraction) for g in branches]
     splits = [split(j, ["const"] * len(operands), n_out) for j in joints]
     slots, slot_avals = cond_slots(splits)
     forwards = []
