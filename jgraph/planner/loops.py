@@ -21,14 +21,17 @@ rewritten forward graph (the graph `backward` recorded in `info["backward_of"]`)
   forward iterations, (k-1)/2 on average; `jgraph.vjp_rules.scan_restart`): L/k carries, below
   what nested scans reach (a 64-layer scan: 4 or 8 carries, against 16 for "split in two").
 
-- "cond branches planned to 50% (25%) of their peak": each cond's branches, forward and backward,
-  planned like straight-line code (`planned_branch`): a cond marked `plan_fraction=f` returns
-  what its branch's plan keeps, and its backward recomputes the plan's segments.
+- "cond branches planned to 50% (25%) of their peak", "... to their least memory": each cond's
+  branches, forward and backward, planned like straight-line code (`planned_branch`): a cond
+  marked `plan_fraction=f` returns what its branch's plan keeps (branches share the slots), and
+  its backward recomputes the plan's segments.
 
 The planner plans each mode's graph and keeps the cheapest plan that fits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -72,8 +75,6 @@ BRANCH_FRACTIONS = (0.5, 0.25, 0.0)
 
 def _marked(graph: Graph, op: str, **params) -> Graph:
     """`graph` with `params` added to each of its top-level `op` eqns."""
-    import dataclasses
-
     if not any(e.op == op for e in graph.eqns):
         return graph
     return graph.replace(eqns=tuple(
@@ -118,12 +119,10 @@ def _unplanned_peak(planner, low: float, high: float) -> float:
     return high
 
 
-def keep_every(graph: Graph, times: int = 1) -> Graph:
+def keep_every(graph: Graph, times: float = 1) -> Graph:
     """`graph` with each top-level scan of length 4 or more marked `keep_every=k`, k the integer
     nearest `times` sqrt(length) (at most length - 1): its backward keeps every k-th carry and
     recomputes the others from it (`jgraph.vjp_rules.scan_restart`)."""
-    import dataclasses
-
     eqns, changed = [], False
     for eqn in graph.eqns:
         length = eqn.params.get("length", 0) if eqn.op == "scan" else 0
@@ -170,8 +169,6 @@ def split_scans(graph: Graph, levels: int = 2) -> Graph:
 
 
 def _with_inputs(eqn: Eqn, inputs) -> Eqn:
-    import dataclasses
-
     return dataclasses.replace(eqn, inputs=inputs)
 
 
