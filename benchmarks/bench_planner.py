@@ -19,9 +19,11 @@ For each model and each budget (25%, 50%, 75% of jgraph's no-remat compiled dona
 - the planning time, and apart from it the seconds spent compiling plans to check them; and a
   last line: the fast planner's time on a 10k-eqn graph (a 1000-layer chain).
 
-The frontier figure (`--plot PATH`, matplotlib): per model, the recompute flops (XLA's
-`cost_analysis` of the step, less no remat's) against the compiled temp, for budgets from the
-least the planner reaches to no remat, with JAX's hand-written arrangements as points.
+The frontier figure (`--plot PATH`, matplotlib): per model, the recompute flop-equivalents a step
+runs (jgraph's cost model, `jgraph.planner.cost.recompute_flops`: a loop body's times its trip
+count, where XLA's `cost_analysis` counts a loop body once; JAX's arrangements traced and their
+checkpoints applied) against the compiled temp, for budgets from the least the planner reaches to
+no remat, with JAX's hand-written arrangements as points.
 
     python -m benchmarks.bench_planner [--quick] [--plot planner_frontier.png] [models...]
 """
@@ -41,6 +43,7 @@ import jgraph as jg
 from benchmarks import interleaved_medians
 from benchmarks.bench_remat import Stepper, block_args, blocks, chain, chain_args, jax_step
 from jgraph.memory import donated_step
+from jgraph.planner.cost import recompute_flops
 
 MIB = 2**20
 BUDGETS = (75, 50, 25)
@@ -186,9 +189,8 @@ def models():
 
 
 # -- measuring -----------------------------------------------------------------------------------
-def compiled_figures(step, *args):
-    compiled = step.lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes, compiled.cost_analysis()["flops"]
+def compiled_temp(step, *args) -> int:
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def jgraph_step(graph, args):
@@ -210,6 +212,14 @@ def grad_difference(gb, gr, args, evaluate):
     return diff, bitwise
 
 
+def traced_recompute(fn, args) -> float:
+    """Recompute flop-equivalents a step of `fn` runs, by jgraph's cost model (a loop body's
+    times its trip count; XLA's `cost_analysis` counts a loop body once): its own
+    `jax.checkpoint` regions, as jgraph applies them."""
+    gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
+    return recompute_flops(jg.remat(gb) if gb.regions else gb)
+
+
 def jax_arrangements(name: str) -> dict:
     """{arrangement: (its Stepper, {temp, flops})}: JAX's hand-written arrangements, compiled
     with the barrier expander off (`KEEP_BARRIERS`)."""
@@ -217,8 +227,9 @@ def jax_arrangements(name: str) -> dict:
     found = {}
     for label, fn in variants.items():
         step = jax_step(fn, KEEP_BARRIERS)
-        temp, flops = compiled_figures(step, *args)
-        found[label] = (Stepper(step, args[0], args[1]), {"temp": temp, "flops": flops})
+        temp = compiled_temp(step, *args)
+        found[label] = (Stepper(step, args[0], args[1]),
+                        {"temp": temp, "flops": traced_recompute(fn, args)})
     return found
 
 
@@ -227,7 +238,7 @@ def plan_model(name: str, repeats: int):
     fn, args, _ = models()[name]
     gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
     step, state, rest = jgraph_step(gb, args)
-    no_temp, no_flops = compiled_figures(step, state, rest)
+    no_temp = compiled_temp(step, state, rest)
     arrangements = jax_arrangements(name)
     steppers = {"no remat": Stepper(step, state, rest)} | {
         ("jax", label): stepper for label, (stepper, _) in arrangements.items()}
@@ -240,12 +251,12 @@ def plan_model(name: str, repeats: int):
                          "error": str(error)})
             continue
         step, state, rest = jgraph_step(gr, args)
-        temp, flops = compiled_figures(step, state, rest)
+        temp = compiled_temp(step, state, rest)
         diff, bitwise = grad_difference(gb, gr, args, evaluate=name != "scan64")
         report = gr.info["remat"]
         steppers[percent] = Stepper(step, state, rest)
         rows.append({"model": name, "percent": percent, "budget": budget, "temp": temp,
-                     "flops": flops - no_flops, "diff": diff, "bitwise": bitwise,
+                     "flops": recompute_flops(gr), "diff": diff, "bitwise": bitwise,
                      "planning": report["planning_seconds"], "xla": report["xla_seconds"],
                      "used": report.get("used", "-"), "plan": report["plan"],
                      "no_remat": (no_temp, arrangements["no remat"][1]["temp"])})
@@ -257,7 +268,7 @@ def plan_model(name: str, repeats: int):
         if "temp" in row:
             row["time"] = times[row["percent"]] / times["no remat"]
             row["time_vs_jax"] = times[row["percent"]] / jax_no_remat
-    return rows, (no_temp, no_flops, gb, args), figures
+    return rows, (no_temp, gb, args), figures
 
 
 def budgets(no_temp: int, jax_no_temp: int) -> list[tuple[str, int]]:
@@ -270,7 +281,7 @@ def budgets(no_temp: int, jax_no_temp: int) -> list[tuple[str, int]]:
     return found
 
 
-def frontier(no_temp, no_flops, gb, args, points):
+def frontier(no_temp, gb, args, points):
     """[(compiled temp, recompute flops)] of fast plans at budgets from the least to no remat."""
     least = None
     try:
@@ -284,8 +295,8 @@ def frontier(no_temp, no_flops, gb, args, points):
             gr = jg.remat(gb, budget=int(budget), planner="fast")
         except jg.TransformError:
             continue
-        temp, flops = compiled_figures(*jgraph_step(gr, args))
-        found.append((temp, flops - no_flops))
+        temp = compiled_temp(*jgraph_step(gr, args))
+        found.append((temp, recompute_flops(gr)))
     return sorted(found)
 
 
@@ -324,13 +335,13 @@ def run(names, quick: bool, plot: str | None):
     table, figure = [], {}
     for name in names:
         started = time.perf_counter()
-        rows, (no_temp, no_flops, gb, args), arrangements = plan_model(name, repeats)
+        rows, (no_temp, gb, args), arrangements = plan_model(name, repeats)
         for row in rows:
             label, best = best_fitting(arrangements, row["budget"])
             row["jax"], row["jax_best"] = label, best
         table += rows
         if plot:
-            figure[name] = (frontier(no_temp, no_flops, gb, args, 4 if quick else 7),
+            figure[name] = (frontier(no_temp, gb, args, 4 if quick else 7),
                             arrangements, no_temp)
         print(f"# {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return table, figure
@@ -373,13 +384,12 @@ def draw(figure, path):
         temps, flops = zip(*points, strict=True)
         ax.plot(np.array(temps) / MIB, np.array(flops) / 1e9, "o-", label="jg.remat(budget=)")
         for label, a in arrangements.items():
-            ax.scatter(a["temp"] / MIB, (a["flops"] - arrangements["no remat"]["flops"]) / 1e9,
+            ax.scatter(a["temp"] / MIB, a["flops"] / 1e9,
                        marker="x")
-            ax.annotate(label, (a["temp"] / MIB, (a["flops"] - arrangements["no remat"]["flops"])
-                                / 1e9), fontsize=6)
+            ax.annotate(label, (a["temp"] / MIB, a["flops"] / 1e9), fontsize=6)
         ax.set_title(name)
         ax.set_xlabel("compiled temp (MiB)")
-        ax.set_ylabel("recompute GFLOP per step")
+        ax.set_ylabel("recompute GFLOP per step (jgraph's cost model)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
