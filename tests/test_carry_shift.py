@@ -166,3 +166,16 @@ def test_a_scanned_mlp_stacks_half_of_what_jax_stacks():
     assert theirs - ours >= (layers - 2) * layer_bytes, (ours, theirs)
     estimate = jg.memory(gb).peak_bytes
     assert abs(estimate - ours) <= 0.25 * ours, (estimate, ours)
+
+
+def test_second_order_through_the_compiled_step():
+    """Hessian-vector products (jax.jvp of the compiled gradient) and jg.backward of a loss of
+    the compiled gradient, against JAX's."""
+    step = jg.compile(joint(tanh_layers, WS, X))
+    v = RNG.standard_normal(WS.shape).astype(np.float32)
+    ours = jax.jvp(lambda w: step(w, X)[1], (WS,), (v,))[1]
+    theirs = jax.jvp(lambda w: jax.grad(tanh_layers)(w, X), (WS,), (v,))[1]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+    twice = joint(lambda w, x: jnp.sum(step(w, x)[1] ** 2), WS, X)
+    want = jax.grad(lambda w: jnp.sum(jax.grad(tanh_layers)(w, X) ** 2))(WS)
+    np.testing.assert_allclose(jg.compile(twice)(WS, X)[1], want, rtol=1e-4, atol=1e-5)

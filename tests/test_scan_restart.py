@@ -176,3 +176,12 @@ def test_the_planner_keeps_every_kth_carry_below_what_nested_scans_reach():
     assert report["xla_temp"] <= budget
     np.testing.assert_allclose(jg.compile(gr)(ws, x)[1], jg.compile(gb)(ws, x)[1], rtol=1e-6,
                                atol=1e-9)
+
+
+def test_second_order_through_the_compiled_step():
+    """jg.backward of a loss of the compiled gradient of a scan keeping every 3rd carry."""
+    step = jg.compile(jg.backward(marked(jg.trace(tanh_layers, WS, X, param_argnums=0), 3)))
+    twice = jg.backward(jg.trace(lambda w, x: jnp.sum(step(w, x)[1] ** 2), WS, X,
+                                 param_argnums=0))
+    want = jax.grad(lambda w: jnp.sum(jax.grad(tanh_layers)(w, X) ** 2))(WS)
+    np.testing.assert_allclose(jg.compile(twice)(WS, X)[1], want, rtol=1e-4, atol=1e-5)
