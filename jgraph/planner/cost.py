@@ -3,8 +3,9 @@
 Recompute cost is counted in flop-equivalents per run of the eqn:
 - contractions (`dot_general`, `conv_general_dilated`) by their contraction sizes: 2 x (output
   elements) x (contracted elements per output);
-- a loop by its body: a `scan` costs its body's cost times its length, a `cond` its costliest
-  branch, a `while` its body once (its trip count is unknown);
+- a loop by its body: a `scan` costs its body's cost times its length (times `mean_runs`, for the
+  masked scan that recomputes a kept scan's carries, whose cond runs the body (k-1)/2 times on
+  average), a `cond` its costliest branch, a `while` its body once (its trip count is unknown);
 - an op that reads or writes memory in its own kernel (a reduction, a gather, a scatter, a sort,
   an FFT, ...) by the elements it moves;
 - a cheap elementwise or layout op (add, tanh, select, broadcast, reshape, convert, ...) costs
@@ -60,8 +61,8 @@ def eqn_cost(eqn: Eqn) -> float:
         out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
         per_output = elements(rhs) / max(out_features, 1)
         return 2.0 * elements(eqn.outputs[0].aval) * per_output
-    if eqn.op == "scan":
-        return eqn.params["length"] * graph_cost(eqn.params["body"])
+    if eqn.op == "scan":  # `mean_runs`: the body runs this often on average (a masked scan)
+        return eqn.params.get("mean_runs", eqn.params["length"]) * graph_cost(eqn.params["body"])
     if eqn.op == "cond":
         return max((graph_cost(b) for b in eqn.params["branches"]), default=0.0)
     if sub_graphs(eqn):

@@ -164,7 +164,8 @@ def recompute(b: Builder, eqn: Eqn, body: Graph, first_carry: int, nk: int, ever
     for r in residuals:
         outs[by_carry[r]] = r
     params = {"body": loop_body, "length": every - 1, "reverse": False,
-              "num_consts": len(loop_in) - nk - 1, "num_carry": nk, "unroll": 1}
+              "num_consts": len(loop_in) - nk - 1, "num_carry": nk, "unroll": 1,
+              "mean_runs": (every - 1) / 2}  # bodies run on average (`jgraph.planner.cost`)
     inner.eqns.append(Eqn("scan", consts + xs + (start, n) + tuple(h0) + (js,), params,
                           tuple(outs), inner.tags, (), eqn.source))
     return Recompute(consts + bufs + xs, tuple(outer_consts) + tuple(outer_bufs)
