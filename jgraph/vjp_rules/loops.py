@@ -41,7 +41,6 @@ from jgraph.builder import Builder
 from jgraph.ir import Eqn, Graph, Var, is_float, sub_graphs
 from jgraph.policies import nothing_saveable
 from jgraph.vjp_rules import scan_restart
-from jgraph.vjp_rules.scan_restart import restartable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +279,7 @@ def _linearize_scan(eqn: Eqn, needs: set, policies=()):
     hoisted, outer = _hoist(cut, ins[:nc])
     r_hoisted = tuple(outer[v] for v in cut.hoisted_read)
     n_out, first_carry = len(body.outputs), nc + len(cut.hoisted_vars)
-    if every and restartable(cut.forward, cut.residuals, first_carry, nk):
+    if every and scan_restart.restartable(cut.forward, cut.residuals, first_carry, nk):
         forward = cut.forward.replace(outputs=cut.forward.outputs[:n_out],
                                       output_roles=("aux",) * n_out)
         init, new = scan_restart.forward(

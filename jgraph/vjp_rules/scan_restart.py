@@ -114,7 +114,7 @@ def _carries_only(body: Graph, nk: int) -> Graph:
                         output_roles=("aux",) * nk)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Recompute:
     """What the backward scan's body needs to recompute its carries (see `recompute`)."""
 
