@@ -5,7 +5,8 @@ VJP rules (`backward`), rematerialize, accumulate and step as graph -> graph tra
 result through XLA (`compile`).
 """
 
-from jgraph import config, policies, testing
+# (importing `vjp_rules` registers the VJP rules into `jgraph.backward`'s tables)
+from jgraph import builder, config, ops, planner, policies, testing, vjp_rules
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
@@ -34,20 +35,15 @@ from jgraph.training import (
 __all__ = [
     "Eqn", "Graph", "GraphError", "Interpreter", "JGraphError", "Literal", "Region", "TraceError",
     "TransformError", "BudgetWarning", "Var", "backward", "check", "compile", "evaluate", "trace",
-    "testing", "to_jax", "config",
+    "testing", "to_jax", "config", "planner", "vjp_rules",
     "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
     "to_dot",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
     "first_micro_step",
     "value_and_grad", "grad", "vjp", "filter_value_and_grad", "filter_grad",
 ]
-__version__ = "0.1.0"
+__version__ = config.__version__
 
-
-def _register_ops():
-    from jgraph import builder, ops
-
-    ops.register_jax_primitives(builder.rewritten_by_tracer())
-
-
-_register_ops()
+# Every JAX primitive the tracer does not rewrite is an op binding it (after every module that
+# registers a tracer handler or a rule has been imported, above).
+ops.register_jax_primitives(builder.rewritten_by_tracer())

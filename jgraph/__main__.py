@@ -4,6 +4,8 @@ A missing or unknown command prints a one-line usage and exits with code 2 (`--h
 
 import sys
 
+from jgraph.training.demo import main as demo
+
 USAGE = "usage: python -m jgraph demo [--help]"
 
 
@@ -15,8 +17,6 @@ def main(argv: list[str]) -> int:
         got = f" (got {argv[0]!r})" if argv else ""
         print(f"{USAGE}{got}", file=sys.stderr)
         return 2
-    from jgraph.training.demo import main as demo
-
     return demo(argv[1:])
 
 

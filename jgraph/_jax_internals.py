@@ -10,9 +10,13 @@ of deep inside a trace. `pyproject.toml` pins JAX to the minor release these wer
 from __future__ import annotations
 
 import jax
-from jax._src import ad_util, hijax, xla_bridge
+import jax.numpy as jnp
+from jax._src import ad_util, custom_derivatives, hijax, xla_bridge
+from jax._src import core as jax_core
 from jax._src.core import NamedAxisEffect
 from jax._src.lax import windowed_reductions
+from jax._src.lax.control_flow import loops
+from jax.ad_checkpoint import checkpoint_name
 
 # A cotangent the user's custom_vjp bwd declares zero (`jax.custom_vjp` passes symbolic zeros as
 # this type; there is no public name for it).
@@ -151,10 +155,6 @@ def call_user_bwd(bwd, *args):
 
 def check() -> None:
     """Raise ImportError naming any internal symbol jgraph relies on that this JAX lacks."""
-    from jax._src import core as jax_core
-    from jax._src import custom_derivatives
-    from jax._src.lax.control_flow import loops
-
     needed = {
         "jax._src.ad_util.Zero": (ad_util, "Zero"),
         "jax._src.lax.windowed_reductions._select_and_scatter_add":
@@ -176,9 +176,6 @@ def check() -> None:
 
 def _missing_params() -> list[str]:
     """Param names of higher-order primitives read above, checked on tiny traced examples."""
-    import jax
-    import jax.numpy as jnp
-
     @jax.custom_jvp
     def f(x):
         return x
@@ -215,9 +212,6 @@ def _missing_params() -> list[str]:
 def _missing_hi_primitives() -> list[str]:
     """What `hi_primitive` reads, on jax.checkpoint, checkpoint_name and a custom_vjp traced
     under the `jax_remat3` and `jax_custom_vjp3` flags."""
-    import jax.numpy as jnp
-    from jax.ad_checkpoint import checkpoint_name
-
     flags = ("jax_remat3", "jax_custom_vjp3")
     missing = [f"config flag {f!r}" for f in flags if not hasattr(jax.config, f)]
     if missing:

@@ -12,26 +12,155 @@ Outputs are arranged as `jax.value_and_grad(fn, argnums=param_argnums, has_aux=h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jgraph import _jax_internals as internals
-from jgraph import errors, vjp_rules
 from jgraph.builder import Builder
 from jgraph.check import validate
 from jgraph.errors import TransformError
-from jgraph.ir import Graph, Literal, Var, short_aval
+from jgraph.ir import Eqn, Graph, Literal, Var, is_float, short_aval, sub_graphs, while_processing
+from jgraph.ops import CUTS_GRADIENT, EFFECTFUL, NON_DIFFERENTIABLE
 from jgraph.passes import dce
+from jgraph.policies import saves
+
+# -- the rule tables: filled by `jgraph.vjp_rules` (one module per op family), read here -----------
+# op -> rule(cts, ins, outs, **params) -> cotangent per input (or None); see `jgraph.vjp_rules`.
+vjp_rules: dict[str, Callable] = {}
+# op -> fn(n_inputs, params) -> input positions the rule never differentiates (error if needed).
+undifferentiable_inputs: dict[str, Callable] = {}
+# Control flow (`jgraph.vjp_rules.loops`): op -> rule(eqn, needs, policies) -> (hoisted eqns, the
+# eqn that also returns its residuals, how to transpose it); op -> rule(b, eqn, how, out_cts,
+# needed) -> cotangent per input, emitting the backward op.
+linearize_rules: dict[str, Callable] = {}
+transpose_rules: dict[str, Callable] = {}
+
+# Ops that are registered (they trace, evaluate and compile) but have no VJP rule, and why. On the
+# gradient path each is a TransformError naming the op, the reason and the user's line.
+NO_VJP_RULE = {
+    **dict.fromkeys(("psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+                     "ragged_all_to_all", "axis_index"),
+                    "a collective over named axes (inside shard_map/pmap): jgraph differentiates "
+                    "shard_map's typed collectives only (check_vma=True: pvary and psum)"),
+    **dict.fromkeys(("igamma", "igammac", "igamma_grad_a", "random_gamma",
+                     "regularized_incomplete_beta", "zeta"),
+                    "special function without a jgraph rule yet (jax.scipy.special.gammainc, "
+                    "betainc, zeta, jax.random.gamma)"),
+    **dict.fromkeys(("hessenberg", "householder_product", "schur", "tridiagonal",
+                     "tridiagonal_solve", "approx_top_k"),
+                    "no jgraph rule yet (rarely on a training path); JAX differentiates some"),
+    "reduce_window": "a windowed reduction with a user computation: only the sum/max/min "
+                     "windows (reduce_window_sum/max/min) have rules",
+    "select_and_scatter": "XLA's select-and-scatter with a user computation (JAX has no "
+                          "VJP for it either)",
+    "while": "a loop with a data-dependent trip count has no reverse-mode derivative (as in "
+             "JAX); use lax.scan or lax.fori_loop with static bounds",
+}
 
 
+def add_cotangents(a, b):
+    return a + b
+
+
+def unbroadcast(ct, x):
+    """Sum `ct` down to the shape of `x` (undoes rank-0 and size-1 broadcasting of nary ops)."""
+    if ct.shape == x.shape:
+        return ct
+    if x.ndim == 0:
+        return jnp.sum(ct).astype(ct.dtype)
+    dims = tuple(i for i, (a, b) in enumerate(zip(ct.shape, x.shape, strict=True)) if a != b)
+    return ct.sum(axis=dims).reshape(x.shape)
+
+
+def apply_rule(b, eqn, out_cts, needed=None):
+    """Emit the eqns of `eqn`'s VJP rule; return one cotangent atom (or None) per input.
+
+    `needed` (one bool per input) says which cotangents the caller will use; the others are
+    returned as None and their eqns are not emitted.
+    """
+    rule = vjp_rules.get(eqn.op)
+    if rule is None:
+        if eqn.op in NON_DIFFERENTIABLE or not any(is_float(v.aval) for v in eqn.outputs):
+            return [None] * len(eqn.inputs)
+        why = f": {NO_VJP_RULE[eqn.op]}" if eqn.op in NO_VJP_RULE else ""
+        raise TransformError(
+            f"no VJP rule for op {eqn.op!r}{why}; it is on the gradient path"
+            + (f" at {eqn.source}" if eqn.source else "")
+            + " (jgraph never substitutes a zero gradient)"
+        )
+    n_in, n_out = len(eqn.inputs), len(eqn.outputs)
+    positions = undifferentiable_inputs.get(eqn.op)
+    if positions is not None and needed is not None:
+        for k in positions(n_in, eqn.params):
+            if needed[k]:
+                raise TransformError(
+                    f"op {eqn.op!r} gives its input {k} no cotangent, but that input needs a "
+                    f"gradient" + (f" at {eqn.source}" if eqn.source else "")
+                    + " (for custom_jvp/custom_vjp: a closed-over value on the gradient path; "
+                    "pass it as an argument or use jax.closure_convert)")
+    cts = list(out_cts)
+    for k, ct in enumerate(cts):
+        if ct is None:  # an output nobody differentiates through: a zero cotangent
+            cts[k] = b.call(jnp.zeros_like, eqn.outputs[k])[0]
+    needed = (True,) * n_in if needed is None else tuple(needed)
+    start = len(b.eqns)
+    outs = b.call(_run_rule, *eqn.inputs, *eqn.outputs, *cts, rule=rule, n_in=n_in, n_out=n_out,
+                  params=_freeze(eqn.params), needed=needed)
+    if getattr(rule, "replays_forward", False):  # its prints ran in the forward already
+        b.eqns[start:] = [e for e in b.eqns[start:] if e.op not in EFFECTFUL]
+    return outs + [None] * (n_in - len(outs))
+
+
+def _run_rule(*arrays, rule, n_in, n_out, params, needed):
+    ins, outs, cts = arrays[:n_in], arrays[n_in:n_in + n_out], arrays[n_in + n_out:]
+    # A rule that can skip work for unneeded cotangents says so (`wants_needed`): the custom_jvp
+    # rule, whose tangents are then symbolic zeros (a closed-over value's must be).
+    extra = {"needed": needed} if getattr(rule, "wants_needed", False) else {}
+    result = list(rule(cts, ins, outs, **dict(params), **extra))
+    # Cotangents of integer inputs (indices, exponents) are dropped, whatever the rule said, and
+    # so are those the caller does not need (the call's template drops the eqns computing them).
+    return [None if ct is None or not use or not jnp.issubdtype(x.dtype, jnp.inexact) else ct
+            for ct, x, use in zip(result, ins, needed, strict=False)]
+
+
+def _freeze(params):
+    return tuple(sorted(params.items()))
+
+
+def defvjp(op: str, rule: Callable) -> None:
+    vjp_rules[op] = rule
+
+
+def defunary(op: str, fn: Callable) -> None:
+    """Rule for a one-input op from `fn(ct, x, y) -> ct_x` (y is the op's output)."""
+    vjp_rules[op] = lambda cts, ins, outs, **p: [fn(cts[0], ins[0], outs[0])]
+
+
+def defbinary(op: str, fn: Callable) -> None:
+    """Rule for a two-input op from `fn(ct, x, y, z) -> (ct_x, ct_y)`, unbroadcast after."""
+    def rule(cts, ins, outs, **p):
+        cx, cy = fn(cts[0], ins[0], ins[1], outs[0])
+        return [unbroadcast(cx, ins[0]), unbroadcast(cy, ins[1])]
+
+    vjp_rules[op] = rule
+
+
+def deflinear(op: str, fn: Callable) -> None:
+    """Rule for an op linear in its first input: `fn(ct, x, **params) -> ct_x`."""
+    vjp_rules[op] = lambda cts, ins, outs, **p: [fn(cts[0], ins[0], **p)]
+
+
+# -- the pass ----------------------------------------------------------------------------------
 def active_values(graph: Graph, active_inputs) -> set[Var]:
     """Floating variables that depend on one of `active_inputs` (a forward sweep)."""
     active = {v for v in active_inputs if _floating(v.aval.dtype)}
     for eqn in graph.eqns:
-        if eqn.op in vjp_rules.CUTS_GRADIENT:
+        if eqn.op in CUTS_GRADIENT:
             continue
         if any(type(a) is Var and a in active for a in eqn.inputs):
             active.update(v for v in eqn.outputs if _floating(v.aval.dtype))
@@ -42,7 +171,7 @@ def useful_values(graph: Graph, targets) -> set[Var]:
     """Variables some of `targets` depend on (a backward sweep)."""
     useful = {a for a in targets if type(a) is Var}
     for eqn in reversed(graph.eqns):
-        if eqn.op not in vjp_rules.CUTS_GRADIENT and any(v in useful for v in eqn.outputs):
+        if eqn.op not in CUTS_GRADIENT and any(v in useful for v in eqn.outputs):
             useful.update(a for a in eqn.inputs if type(a) is Var)
     return useful
 
@@ -173,21 +302,71 @@ def _backward_eqns(graph, loss, params, seed, loop_policies):
     return grads, forward, eqns + tuple(b.eqns)
 
 
+# -- control flow: linearized before the reverse walk (rules: `jgraph.vjp_rules.loops`) -----------
+def linearize(graph: Graph, needs: set, policies=()):
+    """(forward eqns, {new eqn: how to transpose it}) with each scan/cond on the gradient path
+    replaced by one that also returns its residuals (preceded by the loop-invariant eqns hoisted
+    out of a scan), by `linearize_rules`; the reverse walk emits its backward op by
+    `transpose_rules`. `policies` (outermost first) apply inside every loop body, with those of the
+    checkpoint regions around the loop that see through it (`pushed_policies`)."""
+    eqns, linearized = [], {}
+    for eqn in graph.eqns:
+        rule = linearize_rules.get(eqn.op)
+        on_path = any(v in needs for v in eqn.outputs) and any(
+            isinstance(a, Var) and a in needs for a in eqn.inputs)
+        if rule is None or not on_path:
+            eqns.append(eqn)
+            continue
+        pushed, regions = pushed_policies(graph, eqn)
+        hoisted, new, how = rule(eqn, needs, tuple(policies) + pushed)
+        eqns += [dataclasses.replace(e, regions=regions, tags=eqn.tags, source=eqn.source)
+                 for e in hoisted]
+        new = dataclasses.replace(new, regions=regions)
+        eqns.append(new)
+        linearized[new] = how
+    return eqns, linearized
+
+
+def saves_inside(policy, eqn: Eqn) -> bool:
+    """Does `policy` save some eqn of `eqn`'s bodies (nested bodies included)?"""
+    if policy is None:
+        return False
+    return any(saves(policy, e) or saves_inside(policy, e)
+               for sub in sub_graphs(eqn) for e in sub.eqns)
+
+
+def pushed_policies(graph: Graph, eqn: Eqn) -> tuple[tuple, tuple[int, ...]]:
+    """(policies applied inside `eqn`'s bodies, outermost first; the regions it stays in).
+
+    A checkpoint region around a loop or a cond whose policy saves something inside it applies
+    that policy inside the bodies (JAX's policies see through `scan` and `cond`): the loop then
+    leaves the region, whose recompute would otherwise redo the whole loop, saved dots
+    included. Regions are pushed from the innermost outwards, up to the first one whose policy
+    saves nothing inside (which recomputes the loop whole: keeping only its inputs)."""
+    regions = {r.id: r for r in graph.regions}
+    n = len(eqn.regions)
+    while n and eqn.regions[n - 1] in regions and saves_inside(
+            regions[eqn.regions[n - 1]].policy, eqn):
+        n -= 1
+    pushed = tuple(regions[r].policy for r in eqn.regions[n:])
+    return pushed, eqn.regions[:n]
+
+
 def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policies=()):
     """The core of every backward: seed cotangents at some values (`(var, ct atom)` pairs, summed
     when a var has several, as an output listed twice has), walk the
     schedule in reverse and emit each eqn's VJP rule; return (cotangents of the graph's inputs and
     of whatever they reached, {var: ct atom}; the forward eqns; the backward eqns).
 
-    Control flow is first linearized (`jgraph.vjp_rules.loops.linearize`): a loop or a cond on
+    Control flow is first linearized (`linearize`): a loop or a cond on
     the gradient path is replaced in the forward by one that also returns the residuals its
     backward reads, so the forward eqns returned may differ from `graph.eqns`."""
-    forward, linearized = vjp_rules.loops.linearize(graph, needs, loop_policies)
+    forward, linearized = linearize(graph, needs, loop_policies)
     b = Builder(tags={"backward"})
     cts: dict[Var, object] = {}
 
     def add_ct(v, ct):
-        cts[v] = ct if v not in cts else b.call(vjp_rules.add_cotangents, cts[v], ct)[0]
+        cts[v] = ct if v not in cts else b.call(add_cotangents, cts[v], ct)[0]
 
     for v, ct in seeds:
         add_ct(v, ct)
@@ -199,11 +378,11 @@ def reverse_pass(graph: Graph, needs: set[Var], seeds, loop_policies=()):
         b.source = eqn.source
         out_cts = [cts.pop(v, None) for v in eqn.outputs]
         needed = [type(x) is Var and x in needs for x in eqn.inputs]
-        with errors.while_processing("differentiating", eqn, graph):
+        with while_processing("differentiating", eqn, graph):
             if eqn in linearized:
-                in_cts = vjp_rules.loops.transpose(b, eqn, linearized[eqn], out_cts, needed)
+                in_cts = transpose_rules[eqn.op](b, eqn, linearized[eqn], out_cts, needed)
             else:
-                in_cts = vjp_rules.apply_rule(b, eqn, out_cts, needed)
+                in_cts = apply_rule(b, eqn, out_cts, needed)
         for ct, x in zip(in_cts, eqn.inputs, strict=True):
             if ct is not None and type(x) is Var and x in needs:
                 add_ct(x, ct)
@@ -216,7 +395,7 @@ def vjp_graph(graph: Graph, wrt, with_ct, loop_policies=()) -> Graph:
     Inputs: `graph`'s inputs, then one cotangent per output marked in `with_ct`. Outputs:
     `graph`'s outputs, then the cotangent of each input marked in `wrt` (zeros where none flows).
     Forward eqns keep their checkpoint regions (`graph.regions`), backward eqns are tagged
-    `backward`, as in `backward`'s result, so `jgraph.remat` applies to it."""
+    `backward`, as in `backward`'s result, so `jgraph.regions` applies to it."""
     ct_inputs = tuple(Var(a.aval) for a, w in zip(graph.outputs, with_ct, strict=True) if w)
     targets = [a for a, w in zip(graph.outputs, with_ct, strict=True) if w]
     sources = [v for v, w in zip(graph.inputs, wrt, strict=True) if w]

@@ -29,6 +29,7 @@ from jgraph import _jax_internals as internals
 from jgraph import ops
 from jgraph.errors import TraceError
 from jgraph.ir import Eqn, Graph, Literal, Region, ShapedArray, Var, literal_of
+from jgraph.passes import dce
 
 _JAXPR_TYPES = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
 
@@ -191,8 +192,6 @@ def _template(fn, static_items, avals, config):
     scratch = Builder()
     inputs = tuple(Var(aval) for aval in specs)
     outs = scratch.inline(closed.jaxpr, closed.consts, inputs)
-    from jgraph.passes import dce
-
     live = dce(Graph(inputs, tuple(scratch.eqns), tuple(outs), ("data",) * len(inputs),
                      ("aux",) * len(outs)))
     position = {v: i for i, v in enumerate(inputs)}

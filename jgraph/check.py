@@ -1,24 +1,20 @@
 """`check(graph)`: the IR's invariants, verified; a `GraphError` names the offending eqn.
 
-Checked first, in one cheap pass (`check_fields`): every field has the IR's type (tuples of `Var`s,
-`Literal`s, `Eqn`s, roles as strings, params as mappings, avals with a shape and dtype), so that a
-hand-built graph gets a `GraphError` naming the field (`eqns[3].params`, `outputs[0]`) and never an
-`AttributeError` from deep inside a pass or the printer. Then: every variable is defined once
-(inputs and eqn outputs), every use comes after its definition, every output aval equals what the
-op's shape rule gives, every op has rules, literals agree with their avals, regions exist and
-nest, roles are known and one per input/output, a loss output is a floating scalar, and outputs
-are defined. Messages quote the eqn as `str(graph)` prints
-it (same variable names), with its index and the user's source line.
+Checked first, in one cheap pass (`jgraph.ir.check_fields`): every field has the IR's type
+(tuples of `Var`s, `Literal`s, `Eqn`s, roles as strings, params as mappings, avals with a shape
+and dtype), so that a hand-built graph gets a `GraphError` naming the field (`eqns[3].params`,
+`outputs[0]`) and never an `AttributeError` from deep inside a pass or the printer. Then: every
+variable is defined once (inputs and eqn outputs), every use comes after its definition, every
+output aval equals what the op's shape rule gives, every op has rules, literals agree with their
+avals, regions exist and nest, roles are known and one per input/output, a loss output is a
+floating scalar, and outputs are defined. Messages quote the eqn as `str(graph)` prints it (same
+variable names), with its index and the user's source line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
 
 from jgraph import config, control_flow, ops
 from jgraph.errors import GraphError
@@ -26,125 +22,15 @@ from jgraph.ir import (
     INPUT_ROLES,
     OUTPUT_ROLES,
     TAGS,
-    Eqn,
     Graph,
     Literal,
-    Region,
     Var,
+    check_fields,
+    eqn_lines,
     is_extended,
     short_aval,
+    var_name,
 )
-from jgraph.printing import eqn_lines, var_name
-
-_TUPLES = ("inputs", "eqns", "outputs", "input_roles", "output_roles", "regions")
-
-
-def _got(value) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
-
-
-def _atom(a, where: str, kinds=(Var, Literal)) -> None:
-    if not isinstance(a, kinds):
-        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-        names = " or ".join(k.__name__ for k in kinds)
-        raise GraphError(f"graph field `{where}` must be a {names}, got {_got(a)}")
-    aval = a.aval
-    if not isinstance(aval, ShapedArray) and not (
-            hasattr(aval, "shape") and hasattr(aval, "dtype") and hasattr(aval, "str_short")):
-        raise GraphError(f"graph field `{where}.aval` must be an abstract value (a "
-                         f"jax.core.ShapedArray), got {_got(aval)}")
-
-
-def check_fields(graph, deep: bool = False) -> None:
-    """`GraphError` naming the first field of `graph` that does not have the IR's type; with
-    `deep`, also the fields of its sub-graphs (what printing walks)."""
-    if not isinstance(graph, Graph):
-        raise GraphError(f"expected a jgraph Graph (from jg.trace), got {type(graph).__name__}")
-    for name in _TUPLES:
-        if not isinstance(getattr(graph, name), tuple):
-            raise GraphError(f"graph field `{name}` must be a tuple, got "
-                             f"{_got(getattr(graph, name))}")
-    for k, v in enumerate(graph.inputs):
-        _atom(v, f"inputs[{k}]", Var)
-    for k, a in enumerate(graph.outputs):
-        _atom(a, f"outputs[{k}]")
-    for name in ("input_roles", "output_roles"):
-        for k, r in enumerate(getattr(graph, name)):
-            if not isinstance(r, str):
-                raise GraphError(f"graph field `{name}[{k}]` must be a str, got {_got(r)}")
-    for k, r in enumerate(graph.regions):
-        if not isinstance(r, Region):
-            raise GraphError(f"graph field `regions[{k}]` must be a Region, got {_got(r)}")
-    for name in ("in_tree", "out_tree"):
-        tree = getattr(graph, name)
-        if tree is not None and not isinstance(tree, jax.tree_util.PyTreeDef):
-            raise GraphError(f"graph field `{name}` must be a PyTreeDef or None, got "
-                             f"{_got(tree)}")
-    if not isinstance(graph.info, Mapping):
-        raise GraphError(f"graph field `info` must be a mapping, got {_got(graph.info)}")
-    _check_argnums(graph)
-    atoms = (Var, Literal)
-    for i, eqn in enumerate(graph.eqns):
-        # the common case in one expression (this runs on every graph a transform is given);
-        # `_eqn_fields` finds what is wrong
-        if deep or not (
-                type(eqn) is Eqn and type(eqn.op) is str and type(eqn.inputs) is tuple
-                and type(eqn.outputs) is tuple and type(eqn.regions) is tuple
-                and type(eqn.tags) is frozenset and isinstance(eqn.params, dict | Mapping)
-                and all(type(a) in atoms and type(a.aval) is ShapedArray for a in eqn.inputs)
-                and all(type(v) is Var and type(v.aval) is ShapedArray for v in eqn.outputs)
-                and all(type(r) is int for r in eqn.regions)):
-            _eqn_fields(eqn, f"eqns[{i}]", deep)
-
-
-def _check_argnums(graph) -> None:
-    argnums = graph.param_argnums
-    if argnums is None:
-        return
-    nums = argnums if isinstance(argnums, tuple) else (argnums,)
-    nargs = None if graph.in_tree is None else len(graph.in_tree.children())
-    for n in nums:
-        if (not isinstance(n, int) or isinstance(n, bool)
-                or (nargs is not None and not -nargs <= n < nargs)):
-            within = "" if nargs is None else f" (in [-{nargs}, {nargs}))"
-            raise GraphError(f"graph field `param_argnums` must be None, an argument index or a "
-                             f"tuple of them{within}, got {_got(argnums)}")
-
-
-def _eqn_fields(eqn, where: str, deep: bool) -> None:
-    if not isinstance(eqn, Eqn):
-        raise GraphError(f"graph field `{where}` must be an Eqn, got {_got(eqn)}")
-    if not isinstance(eqn.op, str):
-        raise GraphError(f"graph field `{where}.op` must be a str, got {_got(eqn.op)}")
-    for name in ("inputs", "outputs", "regions"):
-        if not isinstance(getattr(eqn, name), tuple):
-            raise GraphError(f"graph field `{where}.{name}` ({eqn.op}) must be a tuple, got "
-                             f"{_got(getattr(eqn, name))}")
-    if not isinstance(eqn.params, dict) and not isinstance(eqn.params, Mapping):
-        raise GraphError(f"graph field `{where}.params` ({eqn.op}) must be a mapping, got "
-                         f"{_got(eqn.params)}")
-    if not isinstance(eqn.tags, frozenset | set):
-        raise GraphError(f"graph field `{where}.tags` ({eqn.op}) must be a frozenset, got "
-                         f"{_got(eqn.tags)}")
-    for k, a in enumerate(eqn.inputs):
-        _atom(a, f"{where}.inputs[{k}]")
-    for k, v in enumerate(eqn.outputs):
-        _atom(v, f"{where}.outputs[{k}]", Var)
-    for k, r in enumerate(eqn.regions):
-        if not isinstance(r, int):
-            raise GraphError(f"graph field `{where}.regions[{k}]` ({eqn.op}) must be a region id "
-                             f"(int), got {_got(r)}")
-    if deep:
-        for key, value in eqn.params.items():
-            for k, sub in enumerate(value if isinstance(value, tuple) else (value,)):
-                if isinstance(sub, Graph):
-                    try:
-                        check_fields(sub, deep=True)
-                    except GraphError as e:
-                        raise GraphError(f"graph field `{where}.params[{key!r}]`"
-                                         f"{f'[{k}]' if isinstance(value, tuple) else ''}: "
-                                         f"{e}") from None
 
 
 def _same_aval(a, b) -> bool:

@@ -13,7 +13,7 @@ unchanged. Its VJP calls the user's bwd on (residuals, output cotangents), so no
 through fwd's own eqns (they only feed the op residuals).
 
 Closed-over values (`num_consts`) get no cotangent from the user's rules: one that needs a gradient
-is an error, as in JAX, never a silent zero (`jgraph.vjp_rules.undifferentiable_inputs`).
+is an error, as in JAX, never a silent zero (`jgraph.backward.undifferentiable_inputs`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from jax.extend import core as jex_core
 from jgraph import _jax_internals as internals
 from jgraph.errors import TransformError
 from jgraph.ir import Graph, Var, is_float
+from jgraph.ops import CUTS_GRADIENT, NON_DIFFERENTIABLE
 
 
 def _zero(aval):
@@ -216,8 +217,6 @@ def expanded_custom_eqns(graph: Graph) -> frozenset:
 def _walk(graph: Graph, perturbed_in, late_in, found: set):
     """Propagate (perturbed by a param, computed by the backward) through `graph`; returns the
     flags of its outputs."""
-    from jgraph.vjp_rules import CUTS_GRADIENT, NON_DIFFERENTIABLE
-
     constant = NON_DIFFERENTIABLE | CUTS_GRADIENT  # outputs no param perturbs
     perturbed = {v for v, f in zip(graph.inputs, perturbed_in, strict=True) if f}
     late = {v for v, f in zip(graph.inputs, late_in, strict=True) if f}

@@ -27,7 +27,7 @@ import numpy as np
 from jgraph.check import validate
 from jgraph.errors import JGraphError
 from jgraph.ir import Eqn, Graph, Literal, Var, short_aval, sub_graphs
-from jgraph.memory.opkinds import nbytes
+from jgraph.opkinds import nbytes
 
 FILL = {"forward": "white", "backward": "#cfe2f3", "recompute": "#fce5cd", "update": "#d9ead3"}
 INPUT_FILL = {"param": "#fff2cc", "accumulator": "#ead1dc", "opt_state": "#ead1dc"}

@@ -1,12 +1,8 @@
 """Every error jgraph raises is a `JGraphError`; subclasses say which stage found the problem.
 
-`while_processing` names the eqn being processed on any error escaping a rule or a lowering (as
-torch.fx's interpreter says "While executing ..."): a jgraph error gets a note quoting the eqn as
-`str(graph)` prints it and the user's source line; any other exception becomes a `TransformError`
-(or `JGraphError` outside transforms) saying the same, so no raw error escapes from internals.
+The bottom layer: it imports nothing of jgraph. (`jgraph.ir.while_processing` names the eqn being
+processed in any error escaping a rule or a lowering.)
 """
-
-import contextlib
 
 
 class JGraphError(Exception):
@@ -28,29 +24,3 @@ class TransformError(JGraphError):
 class BudgetWarning(UserWarning):
     """`jg.remat(budget="NN%")`: no plan reaches that share of no remat's temp; the plan that
     needs the least memory is returned instead (the warning names both figures)."""
-
-
-@contextlib.contextmanager
-def while_processing(what: str, eqn, graph=None, error=None):
-    """Context naming `eqn` (and the user's line) in any error raised inside it."""
-    try:
-        yield
-    except JGraphError as e:
-        if not getattr(e, "_jgraph_noted", False):
-            e.add_note(_where(what, eqn, graph))
-            e._jgraph_noted = True
-        raise
-    except (KeyboardInterrupt, SystemExit, MemoryError):
-        raise
-    except Exception as e:
-        cls = error or (TransformError if what == "differentiating" else JGraphError)
-        new = cls(f"{type(e).__name__} {_where(what, eqn, graph)}: {e}")
-        new._jgraph_noted = True
-        raise new from e
-
-
-def _where(what: str, eqn, graph) -> str:
-    from jgraph.printing import format_eqn
-
-    text = format_eqn(eqn, graph)
-    return f"while {what} eqn `{text}`" + (f" ({eqn.source})" if eqn.source else "")

@@ -9,17 +9,51 @@ Python object (`eq=False`). Names are invented when a graph is printed. The orde
 is the schedule: memory estimates and lowering follow it. Every input and output carries a role
 (ggml's tensor flags made explicit), so transforms and callers never rely on positions by
 convention.
+
+Beside the types, what every layer above reads of them: the field checks (`check_fields`: every
+field has the IR's type, so a hand-built graph gets a `GraphError` naming the field), the text
+form (`str(graph)`, below) and `while_processing`, which names the eqn being processed in any
+error escaping a rule or a lowering.
+
+The text form is jaxpr-like. Printing is API: tests compare it to golden strings.
+
+    { lambda a:f32[4,3]@param b:f32[2,4]@data .
+      let c:f32[2,3] = dot_general[contract=[1]x[0]] b a
+          d:f32[2,3] = tanh c                            # region 0
+          e:f32[] = reduce_sum[axes=(0, 1)] d
+      in ( e@loss ) }
+    # region 0: checkpoint(layer)
+
+Variables are named a, b, ..., z, ba, bb, ... in order of appearance; each input and output carries
+`@role`. Params print as `key=value`, leaving out what the output aval already says (a broadcast's
+or reshape's shape), defaults (None, `weak_type=False`, unit dilations, zero window padding) and
+empty dimension-number fields; a `scatter` prints its combiner (`update_jaxpr`) on one line when it
+has one; `dot_general` prints its contracting and batch dimensions as
+`lhs x rhs`, a convolution its layouts as `N01C,01IO->N01C`. Tags and regions follow an eqn as a
+comment; the regions of the graph are listed after it.
+
+`while_processing` (as torch.fx's interpreter says "While executing ..."): a jgraph error gets a
+note quoting the eqn as `str(graph)` prints it and the user's source line; any other exception
+becomes a `TransformError` (or `JGraphError` outside transforms) saying the same, so no raw error
+escapes from internals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
+import itertools
+import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Union
 
 import jax
 import numpy as np
 from jax.core import ShapedArray
+
+from jgraph.errors import GraphError, JGraphError, TransformError
 
 # Roles of graph inputs.
 INPUT_ROLES = frozenset(
@@ -102,8 +136,6 @@ class Graph:
         for r in self.regions:
             if r.id == region_id:
                 return r
-        from jgraph.errors import GraphError
-
         raise GraphError(f"the graph has no checkpoint region {region_id} (it has "
                          f"{[r.id for r in self.regions]})")
 
@@ -128,8 +160,6 @@ class Graph:
         return [paths[k] for k in range(len(self.inputs))]
 
     def __str__(self):
-        from jgraph.printing import format_graph
-
         return format_graph(self)
 
 
@@ -181,3 +211,420 @@ def is_float(aval) -> bool:
 
 def atom_aval(atom: Atom):
     return atom.aval
+
+
+# -- field checks: every field has the IR's type (what printing and `check` rely on)
+_TUPLES = ("inputs", "eqns", "outputs", "input_roles", "output_roles", "regions")
+
+
+def _got(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _atom(a, where: str, kinds=(Var, Literal)) -> None:
+    if not isinstance(a, kinds):
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        names = " or ".join(k.__name__ for k in kinds)
+        raise GraphError(f"graph field `{where}` must be a {names}, got {_got(a)}")
+    aval = a.aval
+    if not isinstance(aval, ShapedArray) and not (
+            hasattr(aval, "shape") and hasattr(aval, "dtype") and hasattr(aval, "str_short")):
+        raise GraphError(f"graph field `{where}.aval` must be an abstract value (a "
+                         f"jax.core.ShapedArray), got {_got(aval)}")
+
+
+def check_fields(graph, deep: bool = False) -> None:
+    """`GraphError` naming the first field of `graph` that does not have the IR's type; with
+    `deep`, also the fields of its sub-graphs (what printing walks)."""
+    if not isinstance(graph, Graph):
+        raise GraphError(f"expected a jgraph Graph (from jg.trace), got {type(graph).__name__}")
+    for name in _TUPLES:
+        if not isinstance(getattr(graph, name), tuple):
+            raise GraphError(f"graph field `{name}` must be a tuple, got "
+                             f"{_got(getattr(graph, name))}")
+    for k, v in enumerate(graph.inputs):
+        _atom(v, f"inputs[{k}]", Var)
+    for k, a in enumerate(graph.outputs):
+        _atom(a, f"outputs[{k}]")
+    for name in ("input_roles", "output_roles"):
+        for k, r in enumerate(getattr(graph, name)):
+            if not isinstance(r, str):
+                raise GraphError(f"graph field `{name}[{k}]` must be a str, got {_got(r)}")
+    for k, r in enumerate(graph.regions):
+        if not isinstance(r, Region):
+            raise GraphError(f"graph field `regions[{k}]` must be a Region, got {_got(r)}")
+    for name in ("in_tree", "out_tree"):
+        tree = getattr(graph, name)
+        if tree is not None and not isinstance(tree, jax.tree_util.PyTreeDef):
+            raise GraphError(f"graph field `{name}` must be a PyTreeDef or None, got "
+                             f"{_got(tree)}")
+    if not isinstance(graph.info, Mapping):
+        raise GraphError(f"graph field `info` must be a mapping, got {_got(graph.info)}")
+    _check_argnums(graph)
+    atoms = (Var, Literal)
+    for i, eqn in enumerate(graph.eqns):
+        # the common case in one expression (this runs on every graph a transform is given);
+        # `_eqn_fields` finds what is wrong
+        if deep or not (
+                type(eqn) is Eqn and type(eqn.op) is str and type(eqn.inputs) is tuple
+                and type(eqn.outputs) is tuple and type(eqn.regions) is tuple
+                and type(eqn.tags) is frozenset and isinstance(eqn.params, dict | Mapping)
+                and all(type(a) in atoms and type(a.aval) is ShapedArray for a in eqn.inputs)
+                and all(type(v) is Var and type(v.aval) is ShapedArray for v in eqn.outputs)
+                and all(type(r) is int for r in eqn.regions)):
+            _eqn_fields(eqn, f"eqns[{i}]", deep)
+
+
+def _check_argnums(graph) -> None:
+    argnums = graph.param_argnums
+    if argnums is None:
+        return
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    nargs = None if graph.in_tree is None else len(graph.in_tree.children())
+    for n in nums:
+        if (not isinstance(n, int) or isinstance(n, bool)
+                or (nargs is not None and not -nargs <= n < nargs)):
+            within = "" if nargs is None else f" (in [-{nargs}, {nargs}))"
+            raise GraphError(f"graph field `param_argnums` must be None, an argument index or a "
+                             f"tuple of them{within}, got {_got(argnums)}")
+
+
+def _eqn_fields(eqn, where: str, deep: bool) -> None:
+    if not isinstance(eqn, Eqn):
+        raise GraphError(f"graph field `{where}` must be an Eqn, got {_got(eqn)}")
+    if not isinstance(eqn.op, str):
+        raise GraphError(f"graph field `{where}.op` must be a str, got {_got(eqn.op)}")
+    for name in ("inputs", "outputs", "regions"):
+        if not isinstance(getattr(eqn, name), tuple):
+            raise GraphError(f"graph field `{where}.{name}` ({eqn.op}) must be a tuple, got "
+                             f"{_got(getattr(eqn, name))}")
+    if not isinstance(eqn.params, dict) and not isinstance(eqn.params, Mapping):
+        raise GraphError(f"graph field `{where}.params` ({eqn.op}) must be a mapping, got "
+                         f"{_got(eqn.params)}")
+    if not isinstance(eqn.tags, frozenset | set):
+        raise GraphError(f"graph field `{where}.tags` ({eqn.op}) must be a frozenset, got "
+                         f"{_got(eqn.tags)}")
+    for k, a in enumerate(eqn.inputs):
+        _atom(a, f"{where}.inputs[{k}]")
+    for k, v in enumerate(eqn.outputs):
+        _atom(v, f"{where}.outputs[{k}]", Var)
+    for k, r in enumerate(eqn.regions):
+        if not isinstance(r, int):
+            raise GraphError(f"graph field `{where}.regions[{k}]` ({eqn.op}) must be a region id "
+                             f"(int), got {_got(r)}")
+    if deep:
+        for key, value in eqn.params.items():
+            for k, sub in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(sub, Graph):
+                    try:
+                        check_fields(sub, deep=True)
+                    except GraphError as e:
+                        raise GraphError(f"graph field `{where}.params[{key!r}]`"
+                                         f"{f'[{k}]' if isinstance(value, tuple) else ''}: "
+                                         f"{e}") from None
+
+
+# -- the text form: `str(graph)`
+
+
+def _names():
+    letters = string.ascii_lowercase
+    for n in itertools.count(1):
+        for chars in itertools.product(letters, repeat=n):
+            name = "".join(chars)
+            if n == 1 or name[0] != "a":  # jaxpr's scheme: a..z, ba..zz, baa...
+                yield name
+
+
+class _Namer:
+    def __init__(self, fresh=None):
+        self.names: dict[int, str] = {}
+        self.fresh = fresh if fresh is not None else _names()
+
+    def nested(self) -> _Namer:
+        """A namer for a sub-graph: closed, it names only its own variables, so it starts empty
+        and draws on the same letters. A sub-graph object shared by two eqns (JAX traces a
+        `while_loop`'s cond once) prints with fresh names each time, like a copy of it."""
+        return _Namer(self.fresh)
+
+    def __call__(self, v: Var) -> str:
+        if id(v) not in self.names:
+            self.names[id(v)] = next(self.fresh)
+        return self.names[id(v)]
+
+
+def format_literal(lit: Literal) -> str:
+    if np.ndim(lit.value) == 0:
+        return f"{np.asarray(lit.value).item()}:{short_aval(lit.aval)}"
+    return f"const:{short_aval(lit.aval)}"
+
+
+def _is_jaxpr(value) -> bool:
+    return type(value).__name__ in ("ClosedJaxpr", "Jaxpr")
+
+
+def _graphs_in(value) -> list:
+    values = value if isinstance(value, tuple) else (value,)
+    return [v for v in values if isinstance(v, Graph)]
+
+
+def format_param(value) -> str:
+    if isinstance(value, Graph):  # one-line form (error messages); str(graph) nests it in full
+        count = lambda xs: len(xs) if isinstance(xs, tuple | list) else "?"  # noqa: E731
+        return f"{{ lambda {count(value.inputs)} inputs, {count(value.eqns)} eqns }}"
+    if isinstance(value, tuple) and value and all(isinstance(v, Graph) for v in value):
+        return f"({', '.join(map(format_param, value))})"
+    if _is_jaxpr(value):
+        return "<jaxpr>"
+    if isinstance(value, (tuple, list)) and any(_is_jaxpr(v) for v in value):
+        return "(<jaxpr>, ...)"
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # NamedTuple dimension numbers
+        fields = [f"{k}={format_param(v)}" for k, v in zip(value._fields, value, strict=True)
+                  if v not in ((), None)]
+        return f"{type(value).__name__}({', '.join(fields)})"
+    if isinstance(value, tuple):
+        items = [format_param(v) for v in value]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    if isinstance(value, np.generic):
+        return str(value.item())
+    if callable(value) and hasattr(value, "__name__"):
+        return value.__name__
+    return str(value)
+
+
+def _dims(lhs, rhs) -> str:
+    return f"[{','.join(map(str, lhs))}]x[{','.join(map(str, rhs))}]"
+
+
+def _dot_general_params(params, eqn):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    out = {"contract": _dims(lc, rc)}
+    if lb or rb:
+        out["batch"] = _dims(lb, rb)
+    pet = params.get("preferred_element_type")
+    rest = {k: v for k, v in params.items() if k not in ("dimension_numbers",
+                                                         "preferred_element_type")}
+    if pet is not None and eqn.outputs and pet != eqn.outputs[0].aval.dtype:
+        out["preferred_element_type"] = pet
+    return out | rest
+
+
+def _layout(spec, first: str, second: str) -> str:
+    chars = [""] * len(spec)
+    chars[spec[0]], chars[spec[1]] = first, second
+    for i, dim in enumerate(spec[2:]):
+        chars[dim] = str(i)
+    return "".join(chars)
+
+
+def _all(values, unit) -> bool:
+    return values is None or all(v == unit for v in values)
+
+
+def _conv_params(params, eqn):
+    out = dict(params)
+    dn = out.pop("dimension_numbers")
+    if dn is not None:
+        lhs, rhs, res = dn
+        out = {"dims": f"{_layout(lhs, 'N', 'C')},{_layout(rhs, 'O', 'I')}->"
+                       f"{_layout(res, 'N', 'C')}"} | out
+    for key in ("lhs_dilation", "rhs_dilation"):
+        if _all(out.get(key), 1):
+            out.pop(key, None)
+    for key in ("feature_group_count", "batch_group_count"):
+        if out.get(key) == 1:
+            out.pop(key)
+    return out
+
+
+def _gather_params(params, eqn):
+    out = dict(params)
+    dn = out.pop("dimension_numbers")
+    short = {"offset_dims": "offset", "collapsed_slice_dims": "collapsed",
+             "start_index_map": "start_map", "operand_batching_dims": "operand_batch",
+             "start_indices_batching_dims": "indices_batch",
+             "update_window_dims": "window", "inserted_window_dims": "inserted",
+             "scatter_dims_to_operand_dims": "to_operand",
+             "scatter_indices_batching_dims": "indices_batch"}
+    fields = {short.get(k, k): v for k, v in zip(dn._fields, dn, strict=True) if v != ()}
+    combiner = out.pop("update_jaxpr", None)
+    if combiner is not None and eqn.op == "scatter":  # what it computes (the others: their name)
+        out["update_jaxpr"] = " ".join(str(combiner).split())
+    if out.get("update_consts") == ():
+        out.pop("update_consts")
+    return fields | out
+
+
+def _reduce_window_params(params, eqn):
+    out = dict(params)
+    if _all((p for pair in out.get("padding", ()) for p in pair), 0):
+        out.pop("padding", None)
+    for key in ("base_dilation", "window_dilation"):
+        if _all(out.get(key), 1):
+            out.pop(key, None)
+    return out
+
+
+def _without(*keys):
+    return lambda params, eqn: {k: v for k, v in params.items() if k not in keys}
+
+
+def _broadcast_params(params, eqn):
+    return {"dims": params["broadcast_dimensions"]} | _without(
+        "shape", "broadcast_dimensions")(params, eqn)
+
+
+# Per-op rewriting of params for printing (what the output aval says, or a compact form).
+_PARAM_VIEWS = {
+    "dot_general": _dot_general_params,
+    "conv_general_dilated": _conv_params,
+    "gather": _gather_params,
+    "broadcast_in_dim": _broadcast_params,
+    "reshape": _without("new_sizes"),
+}
+for _op in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max"):
+    _PARAM_VIEWS[_op] = _gather_params
+for _op in ("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window"):
+    _PARAM_VIEWS[_op] = _reduce_window_params
+# Params left out when they have this (default) value.
+_DEFAULTS = {"weak_type": False, "unique_indices": False, "indices_are_sorted": False,
+             "reverse": False, "unroll": 1}
+# Params that are bookkeeping of transforms, not part of what an op computes.
+_HIDDEN = frozenset({"joint"})
+
+
+def format_params(eqn, nested: bool = False) -> str:
+    """`[k=v ...]`; with `nested`, sub-graph params are left out (printed below the eqn)."""
+    view = _PARAM_VIEWS.get(eqn.op)
+    params = view(eqn.params, eqn) if view else eqn.params
+    shown = [f"{k}={format_param(v)}" for k, v in params.items()
+             if v is not None and k not in _HIDDEN
+             and not (k in _DEFAULTS and type(v) is type(_DEFAULTS[k]) and v == _DEFAULTS[k])
+             and not (nested and _graphs_in(v))]
+    return f"[{' '.join(shown)}]" if shown else ""
+
+
+def eqn_lines(graph: Graph, name: _Namer | None = None, nested: bool = False,
+              roles: bool = True) -> tuple[str, list[str], str]:
+    """(head, one text per eqn, outputs), with the graph's variable names. With `nested`, an
+    eqn holding sub-graphs is several lines: its sub-graphs are printed in full below it (without
+    roles, which only a top-level graph has)."""
+    name = name or _Namer()
+
+    def atom(a):
+        return name(a) if isinstance(a, Var) else format_literal(a)
+
+    head = " ".join(f"{name(v)}:{short_aval(v.aval)}" + (f"@{role}" if roles else "")
+                    for v, role in zip(graph.inputs, graph.input_roles, strict=False))
+    texts = []
+    for eqn in graph.eqns:
+        outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs) or "_"
+        subs = [(k, v) for k, v in eqn.params.items() if k not in _HIDDEN and _graphs_in(v)]
+        ins = " ".join(atom(a) for a in eqn.inputs)
+        if nested and subs:
+            lines = [f"{outs} = {eqn.op}[{format_params(eqn, nested=True)[1:-1]}".rstrip()]
+            for key, value in subs:
+                for k, sub in enumerate(_graphs_in(value)):
+                    label = f"{key}={{" if len(_graphs_in(value)) == 1 else f"{key}[{k}]={{"
+                    body = _graph_lines(sub, name.nested(), roles=False)
+                    body[0] = body[0].removeprefix("{")
+                    lines += ["  " + label + body[0]] + ["  " + " " * len(label) + line
+                                                          for line in body[1:]]
+            lines.append(f"] {ins}".rstrip())
+            texts.append("\n".join(lines))
+        else:
+            texts.append(f"{outs} = {eqn.op}{format_params(eqn)} {ins}".rstrip())
+    outs = " ".join(f"{atom(a)}@{role}" if roles else atom(a)
+                    for a, role in zip(graph.outputs, graph.output_roles, strict=False))
+    return head, texts, outs
+
+
+def _notes(eqn) -> str:
+    notes = sorted(eqn.tags)
+    if eqn.regions:
+        notes.append("region " + "/".join(map(str, eqn.regions)))
+    return ", ".join(notes)
+
+
+def format_region(region) -> str:
+    args = [region.name or "?"]
+    if region.policy is not None:
+        args.append(f"policy={format_param(region.policy)}")
+    if not region.prevent_cse:
+        args.append("prevent_cse=False")
+    parent = f" in region {region.parent}" if region.parent is not None else ""
+    return f"# region {region.id}: checkpoint({', '.join(args)}){parent}"
+
+
+def _graph_lines(graph: Graph, name: _Namer, roles: bool = True) -> list[str]:
+    head, texts, outs = eqn_lines(graph, name, nested=True, roles=roles)
+    notes = [_notes(eqn) for eqn in graph.eqns]
+    width = max((len(t) for t, n in zip(texts, notes, strict=True) if n and "\n" not in t),
+                default=0)
+    lines = [f"{{ lambda {head} ."]
+    for i, (text, note) in enumerate(zip(texts, notes, strict=True)):
+        prefix = "  let " if i == 0 else "      "
+        first, *rest = text.split("\n")
+        if note and not rest:
+            first = f"{first:<{width}}  # {note}"
+        elif note:
+            first = f"{first}  # {note}"
+        lines.append(prefix + first)
+        lines += ["      " + line for line in rest]
+    lines.append(f"  in ( {outs} ) }}")
+    lines += [format_region(r) for r in graph.regions]
+    return lines
+
+
+def format_graph(graph: Graph) -> str:
+    """`str(graph)`; a graph whose fields do not have the IR's types (a hand-built one) raises
+    `GraphError` naming the field instead (`repr(graph)` still shows it as it is)."""
+    check_fields(graph, deep=True)
+    return "\n".join(_graph_lines(graph, _Namer()))
+
+
+def var_name(graph: Graph, v: Var) -> str:
+    """The name `str(graph)` gives `v` (for error messages)."""
+    name = _Namer()
+    eqn_lines(graph, name)
+    return name(v)
+
+
+def format_eqn(eqn, graph: Graph | None = None) -> str:
+    """One eqn as text, named as in `str(graph)` when the graph is given (for error messages)."""
+    if graph is not None:
+        index = next((i for i, e in enumerate(graph.eqns) if e is eqn), -1)
+        if index >= 0:
+            return eqn_lines(graph)[1][index]
+    name = _Namer()
+    outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs) or "_"
+    ins = " ".join(name(a) if isinstance(a, Var) else format_literal(a) for a in eqn.inputs)
+    return f"{outs} = {eqn.op}{format_params(eqn)} {ins}".rstrip()
+
+
+# -- naming the eqn being processed in errors
+@contextlib.contextmanager
+def while_processing(what: str, eqn, graph=None, error=None):
+    """Context naming `eqn` (and the user's line) in any error raised inside it."""
+    try:
+        yield
+    except JGraphError as e:
+        if not getattr(e, "_jgraph_noted", False):
+            e.add_note(_where(what, eqn, graph))
+            e._jgraph_noted = True
+        raise
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as e:
+        cls = error or (TransformError if what == "differentiating" else JGraphError)
+        new = cls(f"{type(e).__name__} {_where(what, eqn, graph)}: {e}")
+        new._jgraph_noted = True
+        raise new from e
+
+
+def _where(what: str, eqn, graph) -> str:
+    text = format_eqn(eqn, graph)
+    return f"while {what} eqn `{text}`" + (f" ({eqn.source})" if eqn.source else "")

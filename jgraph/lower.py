@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jgraph import opkinds
 from jgraph.check import validate
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Graph, Var, is_float
@@ -97,8 +98,6 @@ def fusion_cuts(graph: Graph) -> set[Var]:
     least `CUT_MIN_BYTES`, read by two or more eqns of `graph`, and written by a `cheap` op at the
     end of a chain of at least `CUT_MIN_OPS` cheap ops that XLA:CPU would fuse into each of those
     readers (a cut ends a chain). Sub-graphs have their own."""
-    from jgraph.memory import opkinds  # jgraph.memory reads this module's protection plan
-
     if not FUSION_CUTS:
         return set()
     readers: dict[Var, int] = {}

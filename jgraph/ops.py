@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.extend import core as jex_core
 
 from jgraph.errors import JGraphError
@@ -57,6 +60,22 @@ def has_op(name: str) -> bool:
 
 
 # Ops with side effects (`jgraph.effects`): no pass removes, merges, copies or reorders them.
+# Ops whose outputs carry no gradient to their inputs.
+CUTS_GRADIENT = frozenset({"stop_gradient"})
+# Ops with no differentiable floating output (comparisons, integer ops, RNG bits, piecewise
+# constant functions, ...): their gradient is zero.
+NON_DIFFERENTIABLE = frozenset(
+    {"eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to", "and", "or", "not", "xor",
+     "iota", "argmax", "argmin", "is_finite", "sign", "floor", "ceil", "round", "stop_gradient",
+     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
+     "mulhi", "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+     "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform", "nextafter",
+     "reduce_and", "reduce_or", "reduce_xor", "bitcast_convert_type", "zeros_like",
+     "create_token", "after_all", "platform_index", "empty", "empty2",
+     "lu_pivots_to_permutation", "debug_print"}
+)
+
+
 EFFECTFUL = frozenset({"debug_print"})
 
 
@@ -88,10 +107,6 @@ def register_jax_primitives(rewritten: frozenset[str]) -> None:
 def _unlisted_primitives() -> list[Primitive]:
     """Primitives that `jax.extend.core.primitives` does not list, taken from the jaxprs of the
     public functions that bind them."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
     x = jax.ShapeDtypeStruct((4,), jnp.float32)
     perm = jax.ShapeDtypeStruct((4,), jnp.int32)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)

@@ -24,14 +24,9 @@ COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:b
 
 
 def plot_memory(path, reports, labels=None, compiled=None, title=None) -> Path:
-    """Draw `reports` (MemoryReports) to `path`; see `MemoryReport.plot`. Returns the path."""
-    from jgraph.memory import MemoryReport
-
+    """Draw `reports` (MemoryReports, checked by `MemoryReport.plot`) to `path`; see
+    `MemoryReport.plot`. Returns the path."""
     reports = tuple(reports)
-    for r in reports:
-        if not isinstance(r, MemoryReport):
-            raise JGraphError(f"MemoryReport.plot overlays other MemoryReports (from jg.memory),"
-                              f" got {type(r).__name__}")
     try:
         labels = [f"plan {k}" for k in range(len(reports))] if labels is None else list(labels)
     except TypeError:  # not iterable

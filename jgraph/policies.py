@@ -2,12 +2,12 @@
 
 A policy is a callable `policy(prim, *in_avals, **params)`, exactly as `jax.checkpoint(policy=...)`
 takes, so the policies here work in `jax.checkpoint` too, and JAX's own policy objects recorded by
-the tracer work in `jgraph.remat`. `prim` is the JAX primitive of the eqn's op (a stand-in with a
+the tracer work in `jgraph.regions`. `prim` is the JAX primitive of the eqn's op (a stand-in with a
 `name` for jgraph's own ops). A policy answers True (save) or False (recompute), or one of JAX's
 `Saveable` / `Recompute` / `Offloadable` markers; offloading is treated as saving.
 
 Every name of `jax.checkpoint_policies` is here. `save_anything_except_these_names` really excludes
-its names (JAX 0.10.2's version ignores them): `jgraph.remat` also refuses to save the value under
+its names (JAX 0.10.2's version ignores them): `jgraph.regions` also refuses to save the value under
 the excluded name through its unnamed producer, which is the same array.
 """
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import jax
 
-from jgraph import ops, vjp_rules
+from jgraph import ops
+from jgraph.backward import vjp_rules
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
 from jgraph.custom_lowering import RULE_IN_LOWERING, expanded_custom_eqns
@@ -40,7 +41,7 @@ def _with_rule(eqn: Eqn):
 
     def bwd(res, cts):
         xs, outs = res
-        rule = vjp_rules.vjp_rules.get(eqn.op)
+        rule = vjp_rules.get(eqn.op)
         if rule is None:
             raise TransformError(f"no VJP rule for op {eqn.op!r}, which is on the gradient path"
                                  + (f" at {eqn.source}" if eqn.source else ""))
@@ -57,7 +58,7 @@ def _needs_rule(eqn: Eqn) -> bool:
     """Ops run through their rule; a control-flow op is lowered as itself (lax.scan, ...) with
     its body run by this same interpreter, so JAX differentiates the loop through its body's
     custom_vjp ops; an op whose lowering carries the user's rule is lowered as itself."""
-    return (eqn.op not in vjp_rules.NON_DIFFERENTIABLE and eqn.op not in vjp_rules.CUTS_GRADIENT
+    return (eqn.op not in ops.NON_DIFFERENTIABLE and eqn.op not in ops.CUTS_GRADIENT
             and eqn.op not in HIGHER_ORDER and eqn.op not in RULE_IN_LOWERING
             and any(is_float(v.aval) for v in eqn.outputs))
 

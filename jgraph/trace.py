@@ -16,7 +16,13 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from jgraph import config
+from jgraph import (  # noqa: F401  (their tracer handlers register into jgraph.builder)
+    config,
+    control_flow,
+    custom_derivatives,
+    effects,
+    hi_primitives,
+)
 from jgraph.builder import Builder
 from jgraph.check import check
 from jgraph.errors import TraceError

@@ -19,8 +19,8 @@ from jgraph.planner.cost import (
     eqn_cost,
     recompute_flops,
 )
-from jgraph.planner.search import Problem
-from jgraph.remat import without_regions
+from jgraph.planner.problem import Problem
+from jgraph.regions import without_regions
 
 F32 = jnp.float32
 

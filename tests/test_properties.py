@@ -44,7 +44,7 @@ import jgraph as jg
 from jgraph.errors import TransformError
 from jgraph.ir import Var
 from jgraph.passes import cse, dce
-from jgraph.remat import LOOPS, small_constants
+from jgraph.regions import LOOPS, small_constants
 from jgraph.testing.build import POLICIES, policy_of, to_graph
 
 NAMES = ("n0", "n1")

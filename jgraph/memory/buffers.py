@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jgraph.memory.opkinds import ALIGN
 from jgraph.memory.program import IN_PLACE, Kernel, Value, shareable
+from jgraph.opkinds import ALIGN
 
 
 class Allocation:

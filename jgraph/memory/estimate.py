@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jgraph import opkinds
 from jgraph.ir import Eqn, Graph
-from jgraph.memory import opkinds
 from jgraph.memory.buffers import Placement, place
 from jgraph.memory.program import Kernel
 from jgraph.memory.schedule import bfs_order

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, ShapedArray, Var
 from jgraph.lower import fusion_cuts, protection_plan
-from jgraph.memory import opkinds
-from jgraph.memory.opkinds import aligned
+from jgraph.opkinds import aligned
 
 FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
 GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers

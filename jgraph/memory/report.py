@@ -21,9 +21,11 @@ from typing import Mapping
 import jax
 
 from jgraph.check import validate
+from jgraph.errors import JGraphError
 from jgraph.ir import Graph, Var, short_aval
 from jgraph.memory.estimate import estimate
-from jgraph.memory.opkinds import nbytes
+from jgraph.opkinds import nbytes
+from jgraph.plot import plot_memory
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,10 @@ class MemoryReport:
         recompute steps shaded, the peak marked, `others` (other plans) overlaid, and XLA's
         compiled temp bytes as a line when given (`compiled`: bytes, a `CompiledMemory`, or one
         per report). Needs matplotlib (`pip install 'jgraph[demo]'`)."""
-        from jgraph.plot import plot_memory
-
+        for r in others:
+            if not isinstance(r, MemoryReport):
+                raise JGraphError(f"MemoryReport.plot overlays other MemoryReports (from "
+                                  f"jg.memory), got {type(r).__name__}")
         return plot_memory(path, (self, *others), labels=labels, compiled=compiled, title=title)
 
     def __str__(self):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from jgraph.memory import opkinds
+from jgraph import opkinds
 from jgraph.memory.program import Kernel, Value
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, Var
-from jgraph.memory import opkinds
 from jgraph.memory.program import Kernel, Ops, Value, connect, flatten, kernels
 
 STATE_ROLES = ("param", "accumulator", "opt_state", "counter")

@@ -5,7 +5,7 @@ The pieces, one concept per module:
 - `cost`: what recomputing an eqn costs (flops; fused elementwise ops almost nothing);
 - `chain`: the forward as a chain of stages between cheap cuts (the planner's memory model);
 - `plan`: a plan (values kept, nested segments) and the ordinary graph it stands for: checkpoint
-  regions whose policy saves exactly the kept values, rematerialized by `jgraph.remat`;
+  regions whose policy saves exactly the kept values, rematerialized by `jgraph.regions`;
 - `fast`: nested checkpointing by dynamic programming (Revolve/Rotor) and knapsack keep sets;
 - `exact`: the same plan space solved exactly as a MILP (`scipy.optimize.milp`, HiGHS);
 - `loops`: what a scan body saves, and splitting a scan into nested scans;

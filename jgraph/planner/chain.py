@@ -27,7 +27,7 @@ import itertools
 from functools import cached_property
 
 from jgraph.ir import Eqn, Graph, Literal, Var, sub_graphs
-from jgraph.memory import nbytes
+from jgraph.opkinds import nbytes
 from jgraph.planner.cost import eqn_cost
 
 MAX_STAGES = 64

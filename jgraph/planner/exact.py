@@ -35,8 +35,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import LinearConstraint, milp
 
 from jgraph.planner.cost import KEPT_BYTE_COST
 from jgraph.planner.fast import FastPlanner, keep_sets
@@ -115,6 +113,9 @@ class _Milp:
         self.upper.append(upper)
 
     def solve(self, seconds: float) -> Plan | None:
+        from scipy import sparse  # heavy: imported when a MILP is solved
+        from scipy.optimize import LinearConstraint, milp
+
         S, y, Sv, R, H = len(self.stages), self.y, self.S, self.R, self.H
         b = [0] + [s.out_bytes for s in self.stages]  # b[j]: boundary j, the input of stage j
         for t in range(S):

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from jgraph.memory import nbytes
+from jgraph.opkinds import nbytes
 from jgraph.planner.chain import Stage, StageCost
 from jgraph.planner.cost import KEPT_BYTE_COST, eqn_cost
 from jgraph.planner.plan import Plan, Segment

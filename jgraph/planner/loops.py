@@ -38,6 +38,9 @@ import jax.numpy as jnp
 from jgraph import policies
 from jgraph.builder import Builder
 from jgraph.ir import Eqn, Graph, Region, Var
+from jgraph.opkinds import nbytes
+from jgraph.planner import fast
+from jgraph.planner.problem import Problem
 
 
 def has_loops(graph: Graph) -> bool:
@@ -88,10 +91,6 @@ def planned_branch(joint: Graph, fraction: float) -> Graph:
     planner's chain model (or its least-memory plan), applied. A branch runs once, so what its
     plan keeps is what the cond returns for its backward, and its segments are recomputed
     there."""
-    from jgraph.memory import nbytes
-    from jgraph.planner import fast
-    from jgraph.planner.search import Problem
-
     if all(e.tags & {"backward", "recompute"} for e in joint.eqns):
         return joint
     problem = Problem.of(joint)

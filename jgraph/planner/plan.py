@@ -3,7 +3,7 @@
 A plan keeps a set of forward values from the forward (`keep`) and cuts the stages of the chain
 (`jgraph.planner.chain`) into nested segments. Each segment becomes a checkpoint region over its
 stages' eqns whose policy saves exactly `keep` (`jg.policies.SaveValues`), nested as the segments
-are; `jgraph.remat.apply_regions` then emits the recompute eqns, as it does for the regions a user
+are; `jgraph.regions.apply_regions` then emits the recompute eqns, as it does for the regions a user
 writes with `jax.checkpoint`. Stages outside every segment are kept whole from the forward.
 
 How a segment tree reads (DESIGN 4.2): a region's recompute runs when the backward first needs a

@@ -32,14 +32,17 @@ import dataclasses
 import time
 import warnings
 
+from jgraph.backward import backward, forward_of
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph
 from jgraph.memory import memory
 from jgraph.planner import fast, loops, validate
-from jgraph.planner.chain import Forward, stages
 from jgraph.planner.cost import recompute_flops
-from jgraph.planner.plan import Plan, Segment, with_regions
+from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
+from jgraph.planner.plan import Plan, Segment
+from jgraph.planner.problem import Problem
 from jgraph.planner.validate import parse_budget
+from jgraph.regions import without_regions
 
 PLANNERS = ("auto", "exact", "fast")
 ESTIMATE_ROUNDS = 6
@@ -47,39 +50,8 @@ XLA_RETRIES = 5
 MARGIN = 0.98  # each tightening aims this much below what was missed
 
 
-@dataclasses.dataclass
-class Problem:
-    """A joint graph without regions (in one loop mode), cut into stages."""
-
-    graph: Graph
-    forward: Forward
-    stages: list
-    stage_eqns: list
-    base: str
-    planner: object = None  # the FastPlanner (or exact planner) set up for this problem
-    base_cost: float = 0.0  # what the loop mode recomputes itself, inside loop bodies
-
-    @classmethod
-    def of(cls, graph: Graph, base: str = "loops as traced") -> Problem:
-        forward = Forward(graph)
-        cut = stages(forward)
-        return cls(graph, forward, cut, [forward.eqns[s.start:s.stop] for s in cut], base,
-                   base_cost=recompute_flops(graph))
-
-    def build(self, plan: Plan) -> Graph:
-        from jgraph.remat import apply_regions
-
-        if not plan.segments:
-            return self.graph
-        plan = dataclasses.replace(plan, keep=plan.keep | self.forward.constants)
-        return apply_regions(with_regions(self.graph, self.stage_eqns, plan))
-
-
 def problems(graph: Graph) -> dict[str, Problem]:
     """The graph (regions stripped) in each loop mode, as problems, by mode."""
-    from jgraph.backward import backward, forward_of
-    from jgraph.remat import without_regions
-
     plain = without_regions(graph)
     found = {"loops as traced": Problem.of(plain)}
     forward = forward_of(graph)
@@ -94,8 +66,6 @@ def problems(graph: Graph) -> dict[str, Problem]:
 
 def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
     """See the module docstring."""
-    from jgraph.remat import without_regions
-
     started, validate.seconds = time.perf_counter(), 0.0
     if planner not in PLANNERS:
         raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
@@ -177,8 +147,6 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
              planner: str):
     """(what the MILP did, (plan, graph, estimate, XLA temp) or None): the MILP's plan within
     the model budget `plan` was found at, cheaper than `plan`, if it fits XLA's budget too."""
-    from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT
-
     limit = TIME_LIMIT if planner == "exact" else AUTO_TIME_LIMIT
     seconds = max(limit - (time.perf_counter() - started), 2.0)
     own = plan.cost - problem.base_cost  # what the MILP's objective counts
@@ -198,8 +166,6 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
 def _used(planner: str, by_mode: dict) -> str:
     if planner != "auto":
         return planner
-    from jgraph.planner.exact import small_enough
-
     return "exact" if all(small_enough(p) for p in by_mode.values()) else "fast"
 
 
@@ -224,8 +190,6 @@ def _fit_estimate(by_mode: dict, budgets: dict, planner: str):
 
 def _planner(used: str, problem: Problem, max_budget: float):
     if used == "exact":
-        from jgraph.planner.exact import ExactPlanner
-
         return ExactPlanner(problem, max_budget)
     return fast.FastPlanner(problem.stages, max(max_budget, 1.0))
 

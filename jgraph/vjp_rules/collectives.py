@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from jax import lax
 
-from jgraph.vjp_rules import defvjp
+from jgraph.backward import defvjp
 
 
 def _pvary_vjp(cts, ins, outs, *, axes):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgraph.vjp_rules import defvjp
+from jgraph.backward import defvjp
 
 
 def _dot_transpose(ct, other, self_ndim, self_c, other_c, self_b, other_b, ct_other_free,

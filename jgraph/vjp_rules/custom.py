@@ -13,9 +13,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jgraph.backward import NO_VJP_RULE, defvjp, undifferentiable_inputs
 from jgraph.custom_lowering import user_cotangents
 from jgraph.ir import is_float
-from jgraph.vjp_rules import NO_VJP_RULE, defvjp, undifferentiable_inputs
 
 
 def _custom_jvp_call_vjp(cts, ins, outs, *, n_consts, n_primals, jvp, symbolic_zeros,

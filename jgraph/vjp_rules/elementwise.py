@@ -14,7 +14,13 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from jgraph.vjp_rules import defbinary, defunary, defvjp, unbroadcast, undifferentiable_inputs
+from jgraph.backward import (
+    defbinary,
+    defunary,
+    defvjp,
+    unbroadcast,
+    undifferentiable_inputs,
+)
 
 # -- identities ----------------------------------------------------------------------------------
 for _op in ("copy", "copy_p", "name"):

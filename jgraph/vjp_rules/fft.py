@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgraph.vjp_rules import defvjp
+from jgraph.backward import defvjp
 
 FftType = lax.FftType
 

@@ -18,8 +18,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jgraph.backward import defvjp
 from jgraph.errors import TransformError
-from jgraph.vjp_rules import defvjp
 
 
 def _gather_vjp(cts, ins, outs, *, dimension_numbers, slice_sizes, indices_are_sorted,

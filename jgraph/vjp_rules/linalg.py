@@ -20,8 +20,8 @@ import numpy as np
 from jax import lax
 from jax.lax import linalg as lax_linalg
 
+from jgraph.backward import defvjp
 from jgraph.errors import TransformError
-from jgraph.vjp_rules import defvjp
 
 _HIGHEST = lax.Precision.HIGHEST
 

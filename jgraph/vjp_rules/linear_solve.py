@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 from jax.extend.core.primitives import linear_solve_p
 
+from jgraph.backward import defvjp
 from jgraph.errors import TransformError
-from jgraph.vjp_rules import defvjp
 
 _OP = linear_solve_p.name  # "custom_linear_solve"
 

@@ -37,9 +37,17 @@ import dataclasses
 import jax.numpy as jnp
 
 from jgraph import ops
+from jgraph.backward import (
+    active_values,
+    linearize_rules,
+    transpose_rules,
+    vjp_graph,
+)
 from jgraph.builder import Builder
-from jgraph.ir import Eqn, Graph, Var, is_float, sub_graphs
+from jgraph.ir import Eqn, Graph, Var, is_float
+from jgraph.planner.loops import planned_branch
 from jgraph.policies import nothing_saveable
+from jgraph.regions import apply_regions, with_whole_forward_region, without_regions
 from jgraph.vjp_rules import scan_restart
 
 
@@ -147,39 +155,9 @@ def _without_regions(e: Eqn) -> Eqn:
     return dataclasses.replace(e, regions=()) if e.regions else e
 
 
-def saves_inside(policy, eqn: Eqn) -> bool:
-    """Does `policy` save some eqn of `eqn`'s bodies (nested bodies included)?"""
-    from jgraph.policies import saves
-
-    if policy is None:
-        return False
-    return any(saves(policy, e) or saves_inside(policy, e)
-               for sub in sub_graphs(eqn) for e in sub.eqns)
-
-
-def pushed_policies(graph: Graph, eqn: Eqn) -> tuple[tuple, tuple[int, ...]]:
-    """(policies applied inside `eqn`'s bodies, outermost first; the regions it stays in).
-
-    A checkpoint region around a loop or a cond whose policy saves something inside it applies
-    that policy inside the bodies (JAX's policies see through `scan` and `cond`): the loop then
-    leaves the region, whose recompute would otherwise redo the whole loop, saved dots
-    included. Regions are pushed from the innermost outwards, up to the first one whose policy
-    saves nothing inside (which recomputes the loop whole: keeping only its inputs)."""
-    regions = {r.id: r for r in graph.regions}
-    n = len(eqn.regions)
-    while n and eqn.regions[n - 1] in regions and saves_inside(
-            regions[eqn.regions[n - 1]].policy, eqn):
-        n -= 1
-    pushed = tuple(regions[r].policy for r in eqn.regions[n:])
-    return pushed, eqn.regions[:n]
-
-
 def joint_body(body: Graph, wrt, with_ct, policies=()) -> Graph:
     """The body's VJP graph, rematerialized by its recorded regions and by `policies` (each a
     region over the whole body, outermost first)."""
-    from jgraph.backward import vjp_graph
-    from jgraph.remat import apply_regions, with_whole_forward_region
-
     joint = vjp_graph(body, wrt, with_ct, loop_policies=policies)
     if (body.regions or policies) and any("backward" in e.tags for e in joint.eqns):
         for policy in reversed(policies):
@@ -188,35 +166,7 @@ def joint_body(body: Graph, wrt, with_ct, policies=()) -> Graph:
     return joint
 
 
-# -- linearize: the forward op that returns residuals ---------------------------------------------
-def linearize(graph: Graph, needs: set, policies=()):
-    """(forward eqns, {new eqn: how to transpose it}) with each scan/cond on the gradient path
-    replaced by one that also returns its residuals (preceded by the loop-invariant eqns hoisted
-    out of a scan). `policies` (outermost first) apply inside every loop body, with those of the
-    checkpoint regions around the loop that see through it (`pushed_policies`)."""
-    eqns, linearized = [], {}
-    for eqn in graph.eqns:
-        rule = _LINEARIZE.get(eqn.op)
-        on_path = any(v in needs for v in eqn.outputs) and any(
-            isinstance(a, Var) and a in needs for a in eqn.inputs)
-        if rule is None or not on_path:
-            eqns.append(eqn)
-            continue
-        pushed, regions = pushed_policies(graph, eqn)
-        hoisted, new, how = rule(eqn, needs, tuple(policies) + pushed)
-        eqns += [dataclasses.replace(e, regions=regions, tags=eqn.tags, source=eqn.source)
-                 for e in hoisted]
-        new = dataclasses.replace(new, regions=regions)
-        eqns.append(new)
-        linearized[new] = how
-    return eqns, linearized
-
-
-def transpose(b: Builder, eqn: Eqn, how, out_cts, needed) -> list:
-    """Emit the backward op of a linearized scan/cond; return one cotangent per input."""
-    return _TRANSPOSE[eqn.op](b, eqn, how, out_cts, needed)
-
-
+# -- linearize: the forward op that returns residuals (`jgraph.backward.linearize` drives)
 def _zeros_like(b: Builder, atom):
     return b.call(jnp.zeros_like, atom)[0]
 
@@ -235,8 +185,6 @@ class _ScanVjp:
 
 def _carry_activity(body: Graph, nc: int, nk: int, active_in) -> list[bool]:
     """Which carries depend on an active input, over any number of iterations (a fixpoint)."""
-    from jgraph.backward import active_values
-
     active = list(active_in)
     while True:
         reached = active_values(body, [v for v, a in zip(body.inputs, active, strict=True) if a])
@@ -413,9 +361,6 @@ def _linearize_cond(eqn: Eqn, needs: set, policies=()):
     if fraction is None:
         joints = [joint_body(g, wrt, with_ct, policies) for g in branches]
     else:  # each branch's forward and backward planned like straight-line code, the plan
-        from jgraph.planner.loops import planned_branch  # replacing the branch's own regions
-        from jgraph.remat import without_regions
-
         joints = [planned_branch(joint_body(without_regions(g), wrt, with_ct, policies),
                                  fraction) for g in branches]
     splits = [split(j, ["const"] * len(operands), n_out) for j in joints]
@@ -483,8 +428,8 @@ def _transpose_cond(b: Builder, eqn: Eqn, how: _CondVjp, out_cts, needed):
     return [ct if use else None for ct, use in zip(cts, needed, strict=True)]
 
 
-_LINEARIZE = {"scan": _linearize_scan, "cond": _linearize_cond}
-_TRANSPOSE = {"scan": _transpose_scan, "cond": _transpose_cond}
+linearize_rules["scan"], transpose_rules["scan"] = _linearize_scan, _transpose_scan
+linearize_rules["cond"], transpose_rules["cond"] = _linearize_cond, _transpose_cond
 
 # Ops whose VJP is built here (from their bodies), not by a rule in `vjp_rules`.
-TRANSPOSED = frozenset(_TRANSPOSE)
+TRANSPOSED = frozenset({"scan", "cond"})

@@ -21,8 +21,8 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jgraph import _jax_internals as internals
+from jgraph.backward import defvjp, undifferentiable_inputs
 from jgraph.errors import TransformError
-from jgraph.vjp_rules import defvjp, undifferentiable_inputs
 from jgraph.vjp_rules.contractions import transposed_window_padding
 
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgraph.vjp_rules import deflinear, defvjp
+from jgraph.backward import deflinear, defvjp
+from jgraph.ops import lowerings
 
 
 def _broadcast_in_dim_vjp(cts, ins, outs, *, shape, broadcast_dimensions, **_):
@@ -111,8 +112,7 @@ defvjp("unstack", _unstack_vjp)
 
 # -- sharding_constraint: a layout annotation, linear; the cotangent gets the same constraint ----
 def _sharding_constraint_vjp(ct, x, **params):
-    from jgraph.ops import lowerings  # the op binds jax's own primitive with the traced params
-
+    # the op binds jax's own primitive with the traced params
     return lowerings["sharding_constraint"](ct, **params)[0]
 
 

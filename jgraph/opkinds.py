@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 
+from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Var
 
 ALIGN = 64  # XLA:CPU aligns every buffer of its temp allocation to 64 bytes
@@ -45,8 +46,6 @@ ALIGN = 64  # XLA:CPU aligns every buffer of its temp allocation to 64 bytes
 def itemsize(dtype) -> int:
     """Bytes per element of a numpy dtype or of one of JAX's extended dtypes (a PRNG key's is its
     key data's: 8 bytes for `key<fry>`), which numpy cannot interpret."""
-    from jgraph.errors import TransformError
-
     size = getattr(dtype, "itemsize", None)
     if size is None:
         raise TransformError(f"jgraph.memory: cannot size elements of dtype {dtype}: it has no "
