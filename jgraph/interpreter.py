@@ -15,7 +15,7 @@ from jgraph import ops
 from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
 from jgraph.custom_lowering import expanded_custom_eqns
-from jgraph.errors import JGraphError
+from jgraph.errors import GraphError, JGraphError
 from jgraph.ir import Graph, Literal, Var, short_aval, while_processing
 
 
@@ -67,6 +67,7 @@ class Interpreter:
         for i, eqn in enumerate(graph.eqns):
             with while_processing("evaluating", eqn, graph):
                 outs = self.eval_eqn(eqn, [self.read(a) for a in eqn.inputs])
+                computed_as_declared(eqn, outs)
             for v, x in zip(eqn.outputs, outs, strict=True):
                 self.write(v, x)
             for v in (*eqn.inputs, *eqn.outputs):  # last use, or never used
@@ -107,6 +108,25 @@ class Interpreter:
 
     def run_sub(self, graph: Graph, *values) -> list:
         return self.sub_interpreter(graph).run(graph, *values)
+
+
+def computed_as_declared(eqn, outs) -> None:
+    """`GraphError` unless the op computed what the eqn declares: one value per output, each of
+    the declared shape and dtype (`check` proves it from the shape rules; evaluation and lowering,
+    which skip that by default, see it here for the price of a comparison). Values that are not
+    arrays or tracers (a partial evaluator's atoms) are not compared."""
+    if len(outs) != len(eqn.outputs):
+        raise GraphError(f"op {eqn.op!r} computed {len(outs)} outputs, but the eqn declares "
+                         f"{len(eqn.outputs)}")
+    for k, (v, x) in enumerate(zip(eqn.outputs, outs, strict=True)):
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is None or dtype is None:
+            continue
+        if tuple(shape) != v.aval.shape or dtype != v.aval.dtype:
+            got = jax.core.ShapedArray(tuple(shape), dtype)
+            raise GraphError(f"output {k} of the eqn is declared {short_aval(v.aval)}, but op "
+                             f"{eqn.op!r} computes {short_aval(got)} from its inputs (jg.check "
+                             "names what is wrong)")
 
 
 def flatten_args(graph: Graph, args) -> list:

@@ -580,10 +580,72 @@ def _graph_lines(graph: Graph, name: _Namer, roles: bool = True) -> list[str]:
 
 
 def format_graph(graph: Graph) -> str:
-    """`str(graph)`; a graph whose fields do not have the IR's types (a hand-built one) raises
-    `GraphError` naming the field instead (`repr(graph)` still shows it as it is)."""
-    check_fields(graph, deep=True)
+    """`str(graph)`. Printing is how a pass is debugged, so a graph whose fields do not have the
+    IR's types (a hand-built one) prints too: a first line names the first bad field, as
+    `check` does (which raises), and every value that cannot print as the IR prints is shown
+    as `<bad ...>` where it stands."""
+    try:
+        check_fields(graph, deep=True)
+    except GraphError as e:
+        return "\n".join([f"# malformed graph (jg.check raises): {e}"]
+                         + _lenient_graph_lines(graph, _Namer()))
     return "\n".join(_graph_lines(graph, _Namer()))
+
+
+def _bad(value) -> str:
+    return f"<bad {_got(value)}>"
+
+
+def _lenient(fn, value) -> str:
+    try:
+        return fn(value)
+    except Exception:  # noqa: BLE001 - any field may be anything: show it as it is
+        return _bad(value)
+
+
+def _items(value) -> list | None:
+    return list(value) if isinstance(value, tuple | list) else None
+
+
+def _lenient_graph_lines(graph, name: _Namer) -> list[str]:
+    """The text form of a graph with malformed fields, each bad value marked where it stands."""
+    def atom(a):
+        if isinstance(a, Var):
+            return f"{name(a)}:{_lenient(short_aval, a.aval)}"
+        if isinstance(a, Literal):
+            return _lenient(format_literal, a)
+        return _bad(a)
+
+    def atoms(value, roles=None):
+        items = _items(value)
+        if items is None:
+            return _bad(value)
+        texts = [atom(a) for a in items]
+        if roles is not None:
+            role_items = _items(roles)
+            if role_items is None:
+                texts.append(f"(roles {_bad(roles)})")
+            else:
+                texts = [t + "@" + (r if isinstance(r, str) else _bad(r))
+                         for t, r in zip(texts, role_items, strict=False)] + texts[len(role_items):]
+        return " ".join(texts)
+
+    lines = [f"{{ lambda {atoms(graph.inputs, graph.input_roles)} ."]
+    eqns = _items(graph.eqns)
+    if eqns is None:
+        lines.append(f"  let {_bad(graph.eqns)}")
+    for i, eqn in enumerate(eqns or []):
+        prefix = "  let " if i == 0 else "      "
+        if not isinstance(eqn, Eqn):
+            lines.append(prefix + _bad(eqn))
+            continue
+        op = eqn.op if isinstance(eqn.op, str) else _bad(eqn.op)
+        params = (_lenient(format_params, eqn) if isinstance(eqn.params, Mapping)
+                  else f"[{_bad(eqn.params)}]")
+        lines.append(f"{prefix}{atoms(eqn.outputs) or '_'} = {op}{params} "
+                     f"{atoms(eqn.inputs)}".rstrip())
+    lines.append(f"  in ( {atoms(graph.outputs, graph.output_roles)} ) }}")
+    return lines
 
 
 def var_name(graph: Graph, v: Var) -> str:

@@ -3,8 +3,11 @@
 Issue 19, item 7: users who write passes build graphs by hand. A graph whose fields do not have
 the IR's types (an input that is not a `Var`, `inputs=None`, an eqn that is not an `Eqn`, params
 that are not a mapping, not a Graph at all) gets a `GraphError` naming the field from `jg.check`,
-`str`, `jg.evaluate`, `jg.compile`, `jg.backward` and the other transforms, never a raw
-`AttributeError`/`TypeError` from inside them. Also `jg.evaluate`'s argument checks.
+`jg.evaluate`, `jg.compile`, `jg.backward` and the other transforms, never a raw
+`AttributeError`/`TypeError` from inside them; `str` prints it, naming the field on its first
+line and marking each bad value. An eqn declaring another aval than its op computes is a
+`GraphError` from `jg.evaluate` and `jg.compile` too, not a value. Also `jg.evaluate`'s argument
+checks.
 """
 
 import dataclasses
@@ -94,7 +97,6 @@ MALFORMED = [
 
 ENTRY_POINTS = [
     ("jg.check", jg.check),
-    ("str", str),
     ("jg.evaluate", lambda g: jg.evaluate(g, X, X)),
     ("jg.compile", lambda g: jg.compile(g)(X, X)),
     ("jg.backward", jg.backward),
@@ -120,14 +122,56 @@ def test_malformed_graphs_get_a_graph_error_naming_the_field():
     outcomes = {}
     for what, make, pattern in MALFORMED:
         for name, entry in ENTRY_POINTS:
-            if what == "not a Graph" and name == "str":
-                continue  # str() of any object is its own business
             outcomes[f"{name}({what})"] = outcome(lambda: entry(make(good)), pattern)
     tally = {k: sum(o.split(":")[0] == k for o in outcomes.values())
              for k in ("clear", "unclear", "raw", "silent")}
     print(f"\nmalformed graphs: {len(outcomes)} probes, {tally}")
     bad = {k: o for k, o in outcomes.items() if o != "clear"}
     assert not bad, bad
+
+
+def test_malformed_graphs_print_naming_the_field_and_marking_bad_values():
+    good = traced()
+    for what, make, pattern in MALFORMED:
+        if what == "not a Graph":
+            continue  # str() of any other object is its own business
+        text = str(make(good))
+        first, *rest = text.splitlines()
+        assert first.startswith("# malformed graph (jg.check raises): graph field"), (what, text)
+        assert re.search(pattern, first), (what, first)
+        assert rest[0].startswith("{ lambda ") and rest[-1].endswith(" ) }"), (what, text)
+    text = str(with_eqn0(good, inputs=(None,) + good.eqns[0].inputs[1:]))
+    assert "= mul <bad NoneType None> " in text  # the bad value where it stands, the rest named
+    assert "tanh" in text and "@loss" in text
+
+
+def _with_mul_output(g, aval):
+    """`g` whose first `mul` declares `aval` for its output (the same Var, read as before)."""
+    i = next(i for i, e in enumerate(g.eqns) if e.op == "mul")
+    old, new = g.eqns[i].outputs[0], Var(aval)
+    eqns = [dataclasses.replace(e, inputs=tuple(new if a is old else a for a in e.inputs))
+            for e in g.eqns]
+    eqns[i] = dataclasses.replace(eqns[i], outputs=(new,))
+    return g.replace(eqns=tuple(eqns))
+
+
+@pytest.mark.parametrize("aval", [jax.core.ShapedArray((4,), jnp.float32),
+                                  jax.core.ShapedArray((3,), jnp.int32),
+                                  jax.core.ShapedArray((3,), jnp.float16)], ids=str)
+@pytest.mark.parametrize("entry", ["evaluate", "compile", "backward"])
+@pytest.mark.parametrize("full_check", [False, True], ids=["default", "JGRAPH_CHECK_GRAPHS"])
+def test_an_eqn_declaring_another_aval_than_its_op_computes_is_refused(aval, entry, full_check,
+                                                                       monkeypatch):
+    monkeypatch.setattr(jg.config, "check_graphs", full_check)  # users' default: off
+    g = _with_mul_output(traced(), aval)
+    with pytest.raises(jg.GraphError, match="shape rule of 'mul' gives f32\\[3\\]"):
+        jg.check(g)
+    run = {"evaluate": lambda: jg.evaluate(g, X, X), "compile": lambda: jg.compile(g)(X, X),
+           "backward": lambda: jg.evaluate(jg.backward(g), X, X)}[entry]
+    said = (r"shape rule of 'mul' gives f32\[3\]" if full_check else
+            r"output 0 of the eqn is declared .*, but op 'mul' computes f32\[3\]")
+    with pytest.raises(jg.GraphError, match=said):
+        run()
 
 
 def test_a_well_formed_graph_still_prints_and_checks():
@@ -142,7 +186,7 @@ def test_a_well_formed_graph_still_prints_and_checks():
 def test_the_field_check_keeps_check_cheap():
     """The field pass costs a fraction of the structural check it precedes (it runs on every
     graph every transform is given): measured as a ratio in this process, never a time."""
-    from jgraph.check import check_fields
+    from jgraph.ir import check_fields
 
     def f(p, x):
         for w in p:

@@ -5,6 +5,7 @@ bar: >= 95 % validation accuracy on digits, a PNG plot, the memory table."""
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import optax
@@ -141,3 +142,12 @@ def test_the_memory_table_tells_the_truth_and_remat_saves():
     # The planner's plan fits half of no remat's compiled temp (its budget) where that is
     # reachable: at micro-batch 256 activations dominate.
     assert temps["grad", 256, "budget 50%"] <= 0.5 * temps["grad", 256, "no remat"]
+
+
+def test_the_pictures_go_to_a_folder_of_their_own(tmp_path, monkeypatch):
+    """By default the PNGs go to `out/` (ignored by git), made on first use, never among the
+    files of the folder the demo is started in."""
+    monkeypatch.chdir(tmp_path)
+    args = demo.parse_args([])
+    assert args.plot == Path("out") / "jgraph-demo-loss.png" and (tmp_path / "out").is_dir()
+    assert list(tmp_path.iterdir()) == [tmp_path / "out"]

@@ -180,13 +180,19 @@ def _learning_rate(text: str) -> float:
     return value
 
 
+# The pictures go to a folder of their own (ignored by git), not among the user's files.
+DEFAULT_PLOT = Path("out") / "jgraph-demo-loss.png"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _Parser(prog="python -m jgraph demo", description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=_bounded_int(1, 100_000), default=40)
     parser.add_argument("--batch-size", type=_bounded_int(1, 2**20), default=64)
     parser.add_argument("--physical-batch-size", type=_bounded_int(1, 2**20), default=16)
     parser.add_argument("--lr", type=_learning_rate, default=1e-3)
-    parser.add_argument("--plot", type=Path, default=Path("jgraph-demo-loss.png"))
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
+                        help=f"the loss curves' PNG (default {DEFAULT_PLOT}; the memory "
+                             "timeline goes beside it, its name ending in -memory.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -201,6 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch-size {args.batch_size} leaves no training batch: at most {most} "
                      f"of the {ndata} digits (20% are held out)")
     if not args.no_plot:
+        if args.plot == DEFAULT_PLOT:  # the demo's own folder, made on first use
+            DEFAULT_PLOT.parent.mkdir(exist_ok=True)
         if not args.plot.resolve().parent.is_dir():
             parser.error(f"--plot {args.plot}: folder {args.plot.resolve().parent} does not "
                          f"exist")
