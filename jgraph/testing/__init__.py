@@ -7,37 +7,40 @@
   functions of the same kind, so that `jg.trace` is exercised too. Both are built from a `Recipe`
   (`jgraph.testing.recipe`) of op families (`jgraph.testing.families`), to which users can add
   their own with `register`. hypothesis is imported only when a strategy is asked for.
+
+The families (`family_*`) register into the registry (`families`) when this package imports them.
 """
 
 from __future__ import annotations
 
+from jgraph.testing import (  # registration into FAMILIES, by group
+    family_integer,
+    family_loops,
+    family_math,
+    family_shapes,
+    strategies,
+)
 from jgraph.testing.families import FAMILIES, Family, Proposal, register
 from jgraph.testing.grads import check_grads
-from jgraph.testing.options import TestingOptionError
+from jgraph.testing.options import TestingOptionError, known_options
 from jgraph.testing.recipe import Chooser, Recipe, Slot
 
 __all__ = ["FAMILIES", "Chooser", "Family", "Proposal", "Recipe", "Slot", "TestingOptionError",
-           "check_grads", "graphs", "programs", "recipes", "register"]
+           "check_grads", "family_integer", "family_loops", "family_math", "family_shapes",
+           "graphs", "programs", "recipes", "register", "strategies"]
 
 
 def graphs(**options):
     """Hypothesis strategy of `(graph, args)` (see `jgraph.testing.strategies.graphs`)."""
-    from jgraph.testing import strategies
-
     return strategies.graphs(**options)
 
 
 def programs(**options):
     """Hypothesis strategy of `(fn, args)` (see `jgraph.testing.strategies.programs`)."""
-    from jgraph.testing import strategies
-
     return strategies.programs(**options)
 
 
 def recipes(**options):
     """Hypothesis strategy of `Recipe`s (see `jgraph.testing.strategies.recipes`)."""
-    from jgraph.testing import strategies
-    from jgraph.testing.options import known_options
-
     known_options(options, "jg.testing.recipes")
     return strategies.recipes(**options)

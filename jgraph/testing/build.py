@@ -24,6 +24,7 @@ from jgraph.builder import Builder
 from jgraph.ir import Graph, Region, Var
 from jgraph.testing.families import FAMILIES, loss_of, named
 from jgraph.testing.recipe import FLOAT, INT, INT_HIGH, Recipe, dtype_of
+from jgraph.trace import trace
 
 # Policy names a span may carry, and how each becomes a policy given the span's names.
 POLICIES = {
@@ -174,8 +175,6 @@ class Program:
 
     def trace(self, *args):
         """`jg.trace` of this program on `args` (its example arguments if none are given)."""
-        from jgraph.trace import trace
-
         args = args or example_args(self.recipe)
         return trace(self, *args, param_argnums=self.param_argnums, has_aux=self.has_aux)
 

@@ -14,7 +14,8 @@ A `Family` has
 The families live by group in `family_math` (elementwise, custom derivatives, binaries,
 contraction, reductions, constants), `family_shapes` (shapes and indexing), `family_integer`
 (integer and boolean side computations) and `family_loops` (scan, fori_loop, cond/switch,
-while_loop). Each is registered right after its definition; a user's
+while_loop), which import this registry and are imported by the package (`jgraph.testing`).
+Each is registered right after its definition; a user's
 own family, registered the same way, is drawn by `jg.testing.graphs()` and `programs()` like
 these. Values
 are kept small (at most MAX_SIZE elements, rank MAX_RANK) and bounded (|value| <= LIMIT), so that
@@ -150,11 +151,3 @@ def loss_of(*xs):
         total = total + jnp.sum(x)
     return total
 
-
-# Registration of the families, by group (imported for their side effect on FAMILIES).
-from jgraph.testing import (  # noqa: E402,F401
-    family_integer,
-    family_loops,
-    family_math,
-    family_shapes,
-)

@@ -14,7 +14,6 @@ import functools
 import math
 
 import jax
-from hypothesis import strategies as st
 
 from jgraph.testing import options
 from jgraph.testing.build import POLICIES, Program, example_args, to_graph
@@ -71,6 +70,8 @@ def recipes(*, dtype=None, min_steps: int = 1, max_steps: int = 10, ranks=(0, 3)
             integers: bool = True, loops: bool = True):
     """A strategy drawing `Recipe`s (see `graphs` for the options, each checked here, before
     anything is drawn: `TestingOptionError` names a bad one)."""
+    from hypothesis import strategies as st  # optional (the test extra): asked for here
+
     options.float_dtype(dtype, drawing=False)
     min_steps, max_steps = options.steps(min_steps, max_steps)
     ranks, dims = options.shapes(ranks, dims)

@@ -6,11 +6,12 @@ from jgraph.training.arguments import ArgumentError, CheckpointError, NonFiniteE
 from jgraph.training.dataset import Dataset
 from jgraph.training.fit import History, epoch, fit
 from jgraph.training.guard import guard_nonfinite
-from jgraph.training.optimizer import Optimizer, StepOutput, TrainState
+from jgraph.training.optimizer import Optimizer
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.reset import first_micro_step, reset
 from jgraph.training.result import Result
 from jgraph.training.state_io import StateFileError, StateFileWarning, StateWriteError
+from jgraph.training.train_state import StepOutput, TrainState
 
 __all__ = [
     "ArgumentError", "CheckpointError", "Dataset", "History", "NonFiniteError", "Optimizer",

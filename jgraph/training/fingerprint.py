@@ -33,8 +33,13 @@ import re
 
 import jax
 import numpy as np
+import optax
+from jax.core import ShapedArray
 
-from jgraph.ir import Graph, Literal
+from jgraph.config import __version__
+from jgraph.ir import Graph, Literal, Var
+from jgraph.training.graphs import tuple_tree
+from jgraph.training.optimizer_step import optimizer_step
 
 VERSION = 1
 _MAX_DEPTH = 10  # of a transformation's closures
@@ -243,12 +248,6 @@ def state_structure(tree) -> dict:
 def update_graph(tx, params_shape) -> Graph:
     """`tx`'s update alone, traced as jgraph traces it into the opt graph (params -> new params,
     new optimizer state), for params of these shapes."""
-    from jax.core import ShapedArray
-
-    from jgraph.ir import Var
-    from jgraph.training.graphs import tuple_tree
-    from jgraph.training.optimizer_step import optimizer_step
-
     leaves, tree = jax.tree.flatten(params_shape)
     params = tuple(Var(ShapedArray(np.shape(a), a.dtype)) for a in leaves)
     grads = tuple(Var(ShapedArray(np.shape(a), a.dtype)) for a in leaves)
@@ -265,17 +264,13 @@ def fingerprint(*, forward: Graph, tx, trainable, opt_state, loss: str, period: 
                 static: bool, batch: str) -> dict:
     """The JSON record of a training setup (see the module docstring). `trainable` and
     `opt_state` are pytrees of arrays or ShapeDtypeStructs (the params without PRNG keys)."""
-    import optax
-
-    import jgraph
-
     return {"version": VERSION,
             "model": model_fingerprint(forward),
             "optimizer": {"transformation": describe(tx),
                           "update_sha256": graph_digest(update_graph(tx, trainable)),
                           "state": state_structure(opt_state)},
             "loss": loss, "period": period, "static": static, "batch": batch,
-            "versions": {"jgraph": jgraph.__version__, "jax": jax.__version__,
+            "versions": {"jgraph": __version__, "jax": jax.__version__,
                          "optax": optax.__version__}}
 
 

@@ -50,9 +50,10 @@ from jgraph.training.dataset import Dataset
 from jgraph.training.fit_state import HISTORY_FIELDS, Position, key_to_json, position_from_json
 from jgraph.training.interrupts import StopRequest
 from jgraph.training.mesh import MeshPlan
-from jgraph.training.optimizer import Optimizer, TrainState
+from jgraph.training.optimizer import Optimizer
 from jgraph.training.result import Result
-from jgraph.training.state_io import check_writable
+from jgraph.training.state_io import StateFileError, check_writable
+from jgraph.training.train_state import TrainState
 
 
 def epoch(opt: Optimizer, state: TrainState, dataset: Dataset, result_train: Result | None,
@@ -250,8 +251,6 @@ class _Run:
     def begin(self, state, key, config):
         """`(state, position, history)`: resumed from the checkpoint, or a fresh start."""
         if self.path is not None and self.path.exists():
-            from jgraph.training.state_io import StateFileError
-
             state, extra = self.opt.load(self.path, dataset=self.ds, extra=True,
                                          strict=self.strict)
             if not isinstance(extra, dict) or "fit" not in extra:

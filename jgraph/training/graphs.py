@@ -66,3 +66,15 @@ def with_labels(graph: Graph, argnum: int) -> Graph:
     roles = list(graph.input_roles)
     roles[start:start + sizes[argnum]] = ["label"] * sizes[argnum]
     return graph.replace(input_roles=tuple(roles))
+
+
+def update_only(grad_graph: Graph) -> Graph:
+    """`(params, acc) -> acc`: the accumulated gradient alone, for `optimizer_step` to update."""
+    params = tuple(Var(p.aval) for p in grad_params(grad_graph))
+    accs = tuple(Var(a.aval) for a in grad_graph.inputs_with_role("accumulator"))
+    tree = grads_tree(grad_graph)
+    return Graph(inputs=params + accs, eqns=(), outputs=accs,
+                 input_roles=("param",) * len(params) + ("accumulator",) * len(accs),
+                 output_roles=("new_accumulator",) * len(accs),
+                 in_tree=tuple_tree([tree, tree]), out_tree=tuple_tree([tree]), param_argnums=0,
+                 info={"grads_tree": tree})

@@ -71,3 +71,17 @@ def guard_nonfinite(graph: Graph, keep=()) -> Graph:
         out_tree=tuple_tree([*call_parts(graph.out_tree, "guard_nonfinite"), LEAF]),
         info={**graph.info, "finite_output": len(outputs)},
     )
+
+
+def _present(graph: Graph, roles) -> tuple:
+    """The state roles of `roles` whose new values `graph` outputs."""
+    return tuple(r for r in roles if "new_" + r in graph.output_roles)
+
+
+def with_guard(graph: Graph, mode: str) -> Graph:
+    """The graph as the `on_nonfinite` mode runs it: "raise" keeps every state of a non-finite
+    step, "skip" its params and optimizer state (accumulators restart at the next period)."""
+    if mode == "ignore":
+        return graph
+    keep = STATE_ROLES if mode == "raise" else ("param", "opt_state")
+    return guard_nonfinite(graph, keep=_present(graph, keep))

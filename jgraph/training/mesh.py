@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jgraph.ir import Graph
@@ -41,8 +43,6 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "coll
 def count_collectives(hlo_text: str) -> dict[str, int]:
     """How many cross-device collectives of each kind a compiled HLO module holds (an async pair
     `-start`/`-done` counts once)."""
-    import re
-
     return {name: len(re.findall(rf"\s{name}(?:-start)?\(", hlo_text)) for name in COLLECTIVES}
 
 
@@ -224,8 +224,6 @@ def host(x):
     """A global array (or anything array-like) as one NumPy array on this host."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return x if is_key(x) else np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

@@ -35,7 +35,7 @@ period, in the optimizer step; `state.grad_acc` then holds one partial sum per d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ import numpy as np
 
 from jgraph.backward import backward
 from jgraph.errors import JGraphError, TransformError
-from jgraph.ir import Graph, Var
+from jgraph.ir import Graph
 from jgraph.lower import as_function
 from jgraph.trace import trace
 from jgraph.training.accumulate import LOSS_SCALED_BY_PERIOD, accumulate
@@ -57,8 +57,8 @@ from jgraph.training.arguments import (
     positive_int,
 )
 from jgraph.training.dataset import check_class_ids
-from jgraph.training.graphs import grad_params, grads_tree, tuple_tree, with_labels
-from jgraph.training.guard import STATE_ROLES, guard_nonfinite
+from jgraph.training.graphs import update_only, with_labels
+from jgraph.training.guard import guard_nonfinite, with_guard
 from jgraph.training.interrupts import held_sigint
 from jgraph.training.leaves import (
     check_leaves,
@@ -78,28 +78,7 @@ from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.period import WholePeriods
 from jgraph.training.remat_step import grad_step
 from jgraph.training.reset import reset
-
-
-class TrainState(NamedTuple):
-    """Everything a training run carries from step to step."""
-
-    params: Any  # the model parameters
-    opt_state: Any  # the optax state (`tx.init(params)` after a full reset)
-    grad_acc: Any  # gradient accumulators shaped like params (on a mesh: one per data shard,
-    #                stacked on a leading axis); None when the period is 1
-    counter: np.ndarray  # np.int32 on the host: the next micro-step's index in the period
-
-
-class StepOutput(NamedTuple):
-    """What one `step`/`evaluate` (or one `step_period`, stacked) reports to a `Result`."""
-
-    loss: Any  # the graph's loss: scaled by 1/period for per-datapoint losses in grad/opt graphs
-    pred: Any  # predicted classes (cross_entropy) or None
-    ncorrect: Any  # number of correct predictions (cross_entropy) or None
-    ndata: int  # datapoints per micro-batch, counted as ggml-opt does
-    period: int  # the period the loss is scaled by (1 for forward evaluations)
-    per_datapoint: bool  # the loss is a mean over datapoints (not a sum)
-    finite: Any = None  # the step's finite check (device bool); None when not guarded
+from jgraph.training.train_state import StepOutput, TrainState
 
 
 @dataclass
@@ -140,32 +119,6 @@ def batch_text(inputs, labels) -> str:
 def _labelled(graph: Graph, labels) -> Graph:
     """The loss graph with its third argument's inputs in the role `label` (when it has labels)."""
     return graph if labels is None else with_labels(graph, 2)
-
-
-def update_only(grad_graph: Graph) -> Graph:
-    """`(params, acc) -> acc`: the accumulated gradient alone, for `optimizer_step` to update."""
-    params = tuple(Var(p.aval) for p in grad_params(grad_graph))
-    accs = tuple(Var(a.aval) for a in grad_graph.inputs_with_role("accumulator"))
-    tree = grads_tree(grad_graph)
-    return Graph(inputs=params + accs, eqns=(), outputs=accs,
-                 input_roles=("param",) * len(params) + ("accumulator",) * len(accs),
-                 output_roles=("new_accumulator",) * len(accs),
-                 in_tree=tuple_tree([tree, tree]), out_tree=tuple_tree([tree]), param_argnums=0,
-                 info={"grads_tree": tree})
-
-
-def _present(graph: Graph, roles) -> tuple:
-    """The state roles of `roles` whose new values `graph` outputs."""
-    return tuple(r for r in roles if "new_" + r in graph.output_roles)
-
-
-def _guard(graph: Graph, mode: str) -> Graph:
-    """The graph as the `on_nonfinite` mode runs it: "raise" keeps every state of a non-finite
-    step, "skip" its params and optimizer state (accumulators restart at the next period)."""
-    if mode == "ignore":
-        return graph
-    keep = STATE_ROLES if mode == "raise" else ("param", "opt_state")
-    return guard_nonfinite(graph, keep=_present(graph, keep))
 
 
 def _with_keys(fn):
@@ -227,8 +180,8 @@ class Optimizer(StateFiles, WholePeriods):
         opt = optimizer_step(grad, self.tx)
         mode = self.on_nonfinite
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
-        graphs = {"forward": fwd, "grad": _guard(grad, "ignore" if mode == "skip" else mode),
-                  "opt": _guard(opt, mode), "reset": reset(opt, self.tx)}
+        graphs = {"forward": fwd, "grad": with_guard(grad, "ignore" if mode == "skip" else mode),
+                  "opt": with_guard(opt, mode), "reset": reset(opt, self.tx)}
         nargs = len(args)
         donate = self.static
         if self.period > 1:  # grad: (*args, acc, counter); opt: (*args, acc, counter, opt_state)

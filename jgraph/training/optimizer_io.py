@@ -19,15 +19,29 @@ agree). A file of the previous format version, which has no fingerprint, loads w
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jgraph.errors import JGraphError
+from jgraph.training import fingerprint
 from jgraph.training.arguments import ArgumentError
+from jgraph.training.fingerprint import differences
 from jgraph.training.leaves import deleted, dtype_of, split_keys
 from jgraph.training.mesh import host
+from jgraph.training.state_io import (
+    StateFileError,
+    StateFileWarning,
+    as_path,
+    dataset_order,
+    is_folder,
+    read_state,
+    save_state,
+)
+from jgraph.training.train_state import TrainState
 
 
 class StateFiles:
@@ -50,8 +64,6 @@ class StateFiles:
     def fingerprint(self) -> dict:
         """What this Optimizer's states come from, as its state files record it (computed once
         per `init`; see `jgraph.training.fingerprint`)."""
-        from jgraph.training import fingerprint
-
         build = self._init_build("fingerprint")
         if self._fingerprint is None:
             template = self._file_template("fingerprint")
@@ -63,9 +75,6 @@ class StateFiles:
 
     def _check_fingerprint(self, header: dict, path, strict: bool) -> None:
         """`StateFileError` saying what differs if the file was written by another setup."""
-        from jgraph.training.fingerprint import differences
-        from jgraph.training.state_io import StateFileError, StateFileWarning
-
         found = header.get("meta", {}).get("fingerprint")
         if header.get("version") == 2:
             warnings.warn(f"{path} has state file format version 2, which records no "
@@ -87,8 +96,6 @@ class StateFiles:
     def checked_state(self, state, what: str = "Optimizer.save"):
         """`state` if it is a state of this Optimizer (structure, shapes, dtypes, counter in
         range), with its counter as `np.int32`; `ArgumentError` saying what differs otherwise."""
-        from jgraph.training.optimizer import TrainState
-
         template = self._template(what.split(".")[-1])
         if not isinstance(state, TrainState):
             raise ArgumentError(f"{what}: expected a TrainState (from init, step or load), got "
@@ -133,8 +140,6 @@ class StateFiles:
 
         The state is checked first (a donated, foreign or malformed state raises
         `ArgumentError` and writes nothing); `extra` is any JSON-serialisable value."""
-        from jgraph.training.state_io import as_path, dataset_order, is_folder, save_state
-
         path = as_path(path, "Optimizer.save")  # checked by every process (only 0 writes)
         if is_folder(path, "Optimizer.save:"):
             raise ArgumentError(f"Optimizer.save: {str(path)!r} is a folder, not a file path")
@@ -156,8 +161,6 @@ class StateFiles:
         file must have been written by the same setup (model, optimizer, loss, period, batch
         shapes: its fingerprint); `strict=False` accepts another one whose state has the same
         structure and shapes (a deliberate transfer)."""
-        from jgraph.training.state_io import StateFileError, dataset_order, read_state
-
         for name, value in (("strict", strict), ("extra", extra)):
             if not isinstance(value, bool):
                 raise ArgumentError(f"Optimizer.load: {name} must be True or False, got "
@@ -192,8 +195,6 @@ def _listed(names: list, limit: int = 4) -> str:
 def foreign_state(state, template) -> str | None:
     """What makes `state` differ from `template` (another Optimizer's state), in words; None if
     it has the template's structure, shapes and dtypes."""
-    import re
-
     got = {jax.tree_util.keystr(p): leaf
            for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
     want = {jax.tree_util.keystr(p): like
@@ -227,6 +228,4 @@ def foreign_state(state, template) -> str | None:
 def _barrier(name: str) -> None:
     """Wait for every process (no-op in a single-process run)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

@@ -16,8 +16,12 @@ from jax import lax
 
 from jgraph.errors import JGraphError
 from jgraph.lower import as_function
+from jgraph.training.graphs import update_only
+from jgraph.training.guard import with_guard
 from jgraph.training.interrupts import held_sigint
 from jgraph.training.leaves import dtype_of
+from jgraph.training.optimizer_step import optimizer_step
+from jgraph.training.train_state import TrainState
 
 
 class WholePeriods:
@@ -25,8 +29,6 @@ class WholePeriods:
 
     def step_period(self, state, inputs_stack, labels_stack=None):
         """Run the `period` micro-steps of one period (stacked on axis 0) in one compiled call."""
-        from jgraph.training.optimizer import TrainState
-
         if self._micro_step(state, "Optimizer.step_period") != 0:
             raise JGraphError(f"step_period must start a period; the state is at micro-step "
                               f"{int(state.counter)} of {self.period}")
@@ -78,9 +80,6 @@ class WholePeriods:
         return build.period_fn
 
     def _period_function(self, build):
-        from jgraph.training.optimizer import _guard, update_only
-        from jgraph.training.optimizer_step import optimizer_step
-
         period, labelled, mode = self.period, self.needs_labels, self.on_nonfinite
         donate = (0, 1, 2) if self.static else ()
         if build.steps is not None and period > 1:  # per-device micro-steps, one reduction
@@ -90,8 +89,8 @@ class WholePeriods:
             opt_f = as_function(build.graphs["opt"])
         else:  # scan the grad graph over all micro-batches, then apply the update alone
             grad_f = as_function(build.plain_grad)  # unguarded: the update checks the period
-            build.graphs["update"] = _guard(optimizer_step(update_only(build.plain_grad),
-                                                           self.tx), mode)
+            update = optimizer_step(update_only(build.plain_grad), self.tx)
+            build.graphs["update"] = with_guard(update, mode)
             update_f = as_function(build.graphs["update"])
 
         def data(xs, ys, i, keys):

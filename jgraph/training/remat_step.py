@@ -13,16 +13,13 @@ import warnings
 
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph
+from jgraph.planner.search import xla_temp
+from jgraph.remat import remat as remat_transform
 
 
 def apply_remat(graph: Graph, remat):
     if remat is None or remat is False:
         return graph
-    try:
-        from jgraph.remat import remat as remat_transform
-    except ImportError as e:
-        raise TransformError(f"Optimizer(remat={remat!r}) needs jgraph.remat, which is not "
-                             f"available: {e}") from e
     if remat is True:
         return remat_transform(graph)
     if isinstance(remat, dict):
@@ -36,8 +33,6 @@ def grad_step(bwd: Graph, remat, accumulate) -> Graph:
         return apply_remat(bwd, remat)
     if not (isinstance(remat, dict) and remat.get("budget") is not None):
         return accumulate(apply_remat(bwd, remat))
-    from jgraph.planner.search import xla_temp
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
         on_step = apply_remat(accumulate(bwd), remat)

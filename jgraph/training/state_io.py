@@ -46,6 +46,7 @@ import numpy as np
 
 from jgraph.errors import JGraphError
 from jgraph.training.arguments import ArgumentError
+from jgraph.training.dataset import Dataset
 
 MAGIC = b"JGRAPH-STATE\n"
 FORMAT_VERSION = 3
@@ -151,8 +152,6 @@ def is_folder(path: Path, what: str) -> bool:
 
 def dataset_order(dataset, what: str):
     """The shard order of `dataset` (a `jg.Dataset`), or None."""
-    from jgraph.training.dataset import Dataset
-
     if dataset is not None and not isinstance(dataset, Dataset):
         raise ArgumentError(f"{what}: dataset must be a jg.Dataset, got {type(dataset).__name__}")
     return None if dataset is None else dataset.permutation
