@@ -1,12 +1,16 @@
 """The remat planner's bar (issue 20): budgets met on XLA, gradients, step time, planning time.
 
 Models: the 32-layer tanh chain and the 16-block residual MLP of `bench_remat`, a 6-layer
-transformer LM (d_model 256, seq 128, batch 8, 4 heads, MLP 1024) and a 64-layer scanned MLP
+transformer LM (d_model 256, seq 128, batch 8, 4 heads, MLP 1024), a 64-layer scanned MLP
 (`tanh(h @ W[i] + b[i])` in a `lax.scan`, width 128, batch 1024: activations dominate its temp;
-at width 512 and batch 256 the gradients XLA stacks for the scan alone are half of it).
+at width 512 and batch 256 the gradients XLA stacks for the scan alone are half of it), an
+8-level U-Net-shaped MLP (`unet8`: feed-forward blocks of width 256 and 1024, batch 256, each
+encoder level's output added to its decoder level's input) and the 8-layer transformer LM with
+its layers in a `lax.scan` (`scanlm8`: vocab 4096, batch 8).
 
 For each model and each budget (25%, 50%, 75% of jgraph's no-remat compiled donated temp; rows
-"25%J" ... at the same fractions of JAX's no-remat temp, where that is over 10% larger) a row:
+"25%J" ... at the same fractions of JAX's no-remat temp, where that is over 10% larger; rows
+"= arrangement" at the temp each hand-written arrangement takes) a row:
 - the planned step's temp (compiled again here, from the real arguments) against the budget;
 - the largest gradient difference with no remat, compiled, and whether the plan is bitwise
   equal to no remat under `jg.evaluate` (not for the scan: evaluating it eagerly takes minutes);
@@ -128,6 +132,64 @@ def scanned(wrap=lambda f: f, split=(), inner=lambda f: f):
     return loss
 
 
+def unet_args(levels=8, width=256, batch=256):
+    """A U-Net-shaped MLP's params: per level an encoder and a decoder feed-forward block."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(4), 4 * levels + 2))
+
+    def block():
+        return {"w1": jax.random.normal(next(keys), (width, 4 * width)) * width**-0.5,
+                "w2": jax.random.normal(next(keys), (4 * width, width)) * (4 * width)**-0.5}
+
+    params = {"enc": [block() for _ in range(levels)], "dec": [block() for _ in range(levels)]}
+    return params, jax.random.normal(next(keys), (batch, width))
+
+
+def unet(wrap=lambda f: f):
+    """Each encoder level's output is read again by its decoder level (long skips cross every
+    cut of the chain); `wrap` (a `jax.checkpoint`) around each layer."""
+    layer = wrap(lambda p, h: jnp.tanh(jax.nn.gelu(h @ p["w1"]) @ p["w2"]))
+
+    def loss(params, x):
+        skips, h = [], x
+        for p in params["enc"]:
+            h = layer(p, h)
+            skips.append(h)
+        for p, s in zip(params["dec"], reversed(skips), strict=True):
+            h = layer(p, h + s)
+        return jnp.mean(h**2)
+
+    return loss
+
+
+def scanned_lm_args(layers=8, d=256, seq=128, batch=8, vocab=4096):
+    """The LM's params with its layers stacked for `lax.scan` (flax's `nn.scan`, MaxText)."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(5), 16))
+
+    def normal(shape, scale):
+        return jax.random.normal(next(keys), shape, jnp.float32) * scale
+
+    n = layers
+    params = {"embed": normal((vocab, d), 0.02), "lnf": jnp.ones((d,)), "layers": {
+        "ln1": jnp.ones((n, d)), "wqkv": normal((n, d, 3 * d), d**-0.5),
+        "wo": normal((n, d, d), d**-0.5), "ln2": jnp.ones((n, d)),
+        "w1": normal((n, d, 4 * d), d**-0.5), "w2": normal((n, 4 * d, d), (4 * d)**-0.5)}}
+    return params, jax.random.randint(next(keys), (batch, seq), 0, vocab)
+
+
+def scanned_lm(wrap=lambda f: f):
+    """The transformer LM with `lax.scan` over its stacked layers; `wrap` around the body."""
+
+    def body(x, p):
+        return transformer_layer(p, x), None
+
+    def loss(params, tokens):
+        x, _ = lax.scan(wrap(body), params["embed"][tokens], params["layers"])
+        logits = _layer_norm(params["lnf"], x) @ params["embed"].T
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    return loss
+
+
 def _chain_nested(params, x):
     """Binary nested checkpoints over the 32 layers (recursive halves)."""
     def run(ws, h):
@@ -185,6 +247,13 @@ def models():
             "8 x 8 nested scans, checkpointed body": scanned(split=(8,), inner=ckpt),
             "4 x 4 x 4 nested scans": scanned(split=(16, 4)),
             "4 x 4 x 4 nested scans, checkpointed body": scanned(split=(16, 4), inner=ckpt)}),
+        "unet8": (unet(), unet_args(), {
+            "no remat": unet(), "checkpoint per layer": unet(ckpt),
+            "per layer, dots_saveable": unet(lambda f: ckpt(f, policy=cp.dots_saveable))}),
+        "scanlm8": (scanned_lm(), scanned_lm_args(), {
+            "no remat": scanned_lm(), "scan(checkpoint(body))": scanned_lm(ckpt),
+            "scan(checkpoint(body, dots_saveable))": scanned_lm(
+                lambda f: ckpt(f, policy=cp.dots_saveable))}),
     }
 
 
@@ -243,7 +312,9 @@ def plan_model(name: str, repeats: int):
     steppers = {"no remat": Stepper(step, state, rest)} | {
         ("jax", label): stepper for label, (stepper, _) in arrangements.items()}
     rows = []
-    for percent, budget in budgets(no_temp, arrangements["no remat"][1]["temp"]):
+    hand = {label: found["temp"] for label, (_, found) in arrangements.items()
+            if label != "no remat"}
+    for percent, budget in budgets(no_temp, arrangements["no remat"][1]["temp"], hand):
         try:
             gr = jg.remat(gb, budget=budget)
         except jg.TransformError as error:
@@ -252,7 +323,7 @@ def plan_model(name: str, repeats: int):
             continue
         step, state, rest = jgraph_step(gr, args)
         temp = compiled_temp(step, state, rest)
-        diff, bitwise = grad_difference(gb, gr, args, evaluate=name != "scan64")
+        diff, bitwise = grad_difference(gb, gr, args, evaluate=name not in ("scan64", "scanlm8"))
         report = gr.info["remat"]
         steppers[percent] = Stepper(step, state, rest)
         rows.append({"model": name, "percent": percent, "budget": budget, "temp": temp,
@@ -271,13 +342,16 @@ def plan_model(name: str, repeats: int):
     return rows, (no_temp, gb, args), figures
 
 
-def budgets(no_temp: int, jax_no_temp: int) -> list[tuple[str, int]]:
+def budgets(no_temp: int, jax_no_temp: int, hand: dict | None = None) -> list[tuple[str, int]]:
     """[(label, bytes)]: `BUDGETS` of jgraph's no-remat temp; where JAX's no-remat step needs
     over 10% more (a scan: jgraph does not stack a layer's output that is the next layer's
-    input), the same fractions of JAX's too, for a comparison at the bytes JAX starts from."""
+    input), the same fractions of JAX's too, for a comparison at the bytes JAX starts from; and
+    `= arrangement` at the temp each hand arrangement (`hand`, {label: bytes}) takes, where it is
+    below jgraph's no remat: the planner must meet what a user can write."""
     found = [(f"{p}%", p * no_temp // 100) for p in BUDGETS]
     if jax_no_temp > 1.1 * no_temp:
         found += [(f"{p}%J", p * jax_no_temp // 100) for p in BUDGETS]
+    found += [(f"= {label}", temp) for label, temp in (hand or {}).items() if temp < no_temp]
     return found
 
 
@@ -418,7 +492,8 @@ def rows(quick: bool = False) -> list[dict]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", help="chain32 resmlp16 transformer6 scan64")
+    parser.add_argument("models", nargs="*",
+                        help="chain32 resmlp16 transformer6 scan64 unet8 scanlm8")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plot", help="write the frontier figure (PNG) here")
     args = parser.parse_args(argv)

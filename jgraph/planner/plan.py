@@ -21,6 +21,8 @@ import dataclasses
 from jgraph.ir import Graph, Region
 from jgraph.policies import SaveValues
 
+HAND = "hand: "  # the label of the plans that are hand arrangements
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
@@ -47,6 +49,10 @@ class Plan:
 
     def describe(self) -> str:
         loops = "" if self.base == "loops as traced" else f"{self.base}; "
+        if self.label.startswith(HAND):  # an arrangement a user writes (`jgraph.planner.hand`)
+            what = self.label.removeprefix(HAND)
+            return what if not self.segments else (
+                f"{what}: segments " + " ".join(str(s) for s in self.segments))
         if not self.segments:
             return loops + "no segments"
         return (f"{loops}{len(self.keep)} values kept, segments "

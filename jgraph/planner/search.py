@@ -14,12 +14,16 @@
    (at most halfway to what any mode can take); when a plan fits after a miss, the slack shrinks
    halfway back, in case a cheaper plan fits too (`XLA_RETRIES` compiles at most). A plan is
    returned only when XLA's temp is within the budget: never one above no remat.
-6. Before giving up, each mode's plan needing the least memory is compiled; if none fits a byte
-   budget, a TransformError states the smallest temp a plan reaches and that plan; for a
-   percentage, that plan is returned with a `BudgetWarning` saying so (`info["remat"]["unmet"]`).
+6. Before giving up, each mode's plan needing the least memory is compiled, and so is each
+   hand arrangement (`jgraph.planner.hand`: a checkpoint per layer with each of JAX's policies, a
+   loop mode with no plan around it, as a user writes them); if none fits a byte budget, a
+   TransformError states the smallest temp a plan reaches and that plan; for a percentage, that
+   plan is returned with a `BudgetWarning` saying so (`info["remat"]["unmet"]`).
 7. The exact planner then solves its MILP at the model budget of the plan found, for a cheaper
    plan (per-stage keep sets, no memory discretization), within what is left of its time limit;
    a cheaper plan that fits XLA's budget replaces it (`info["remat"]["milp"]` says what happened).
+8. A hand arrangement that recomputes less (jgraph's cost model, on the rematerialized graphs)
+   than the plan found and fits XLA's budget replaces it, so the search never loses to one.
 
 `graph.info["remat"]` reports the planner, the budget, the estimate, XLA's temp (and no remat's),
 the retries, the recompute flops, the plan, the seconds planning took and (apart) the seconds
@@ -36,10 +40,10 @@ from jgraph.backward import backward, forward_of
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph
 from jgraph.memory import memory
-from jgraph.planner import fast, loops, validate
+from jgraph.planner import fast, hand, loops, validate
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
-from jgraph.planner.plan import Plan, Segment
+from jgraph.planner.plan import HAND, Plan, Segment
 from jgraph.planner.problem import Problem
 from jgraph.planner.validate import parse_budget
 from jgraph.regions import without_regions
@@ -124,23 +128,61 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
             # any mode can take (XLA's temp is not the estimate plus a constant).
             slack = ((slack + least) / 2 if least is not None else
                      min(slack + (temp - target) / MARGIN, (slack + most) / 2))
-    if not fits:  # the plans needing the least memory of each mode, before giving up
-        smallest = _smallest_plans(by_mode, tried)
-        for plan, candidate, temp in smallest:
-            if temp <= target:
-                fits.append((plan.cost, temp, plan, candidate, memory(candidate).peak_bytes, 0))
-        if not fits and kind == "fraction":
+    hands = _hand_arrangements(by_mode)
+    if fits:
+        _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
+    else:  # the plans needing the least memory of each mode and the hand arrangements
+        smallest = _smallest_plans(by_mode, tried) + [
+            (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
+        fitting = [s for s in smallest if s[2] <= target]
+        if not fitting and kind == "fraction":
             return _least(plain, smallest, report | {"used": used}, budget, tried, started)
-    if not fits:
-        raise _unreachable(target, no_remat, tried)
-    _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
-    if used == "exact":
+        if not fitting:
+            raise _unreachable(target, no_remat, tried)
+        plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
+        estimate = memory(candidate).peak_bytes
+    if used == "exact" and not plan.label.startswith(HAND):
         exact = _exactly(by_mode[plan.base], plan, target, tried, started, planner)
         report["milp"] = exact[0]
         if exact[1] is not None:
             plan, candidate, estimate, temp = exact[1]
+    # a hand arrangement doing less recompute than the plan found, if one fits
+    found = _first_fitting(hands, recompute_flops(candidate), target, tried)
+    if found is not None:
+        plan, candidate, temp = found
+        estimate = memory(candidate).peak_bytes
     return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
                      len(tried) - 1, recompute_flops(candidate), started)
+
+
+def _hand_arrangements(by_mode: dict) -> list[tuple[float, Plan, Graph]]:
+    """(recompute flops, plan, graph) of each hand arrangement (`jgraph.planner.hand`), the
+    least recompute first."""
+    found = []
+    for plan in hand.arrangements(by_mode):
+        candidate = by_mode[plan.base].build(plan)
+        flops = recompute_flops(candidate)
+        found.append((flops, dataclasses.replace(plan, cost=flops), candidate))
+    return sorted(found, key=lambda h: h[0])
+
+
+def _temp(plan: Plan, candidate: Graph, tried: dict) -> int:
+    key = plan.describe()
+    if key not in tried:
+        tried[key] = xla_temp(candidate)
+    return tried[key]
+
+
+def _first_fitting(hands, below: float, target: int, tried: dict):
+    """(plan, graph, XLA temp) of the hand arrangement recomputing least, under `below` flops,
+    whose compiled temp fits `target`; None if none does."""
+    for flops, plan, candidate in hands:
+        if flops >= below * (1 - 1e-9):
+            return None
+        temp = _temp(plan, candidate, tried)
+        if temp <= target:
+            return plan, candidate, temp
+    return None
 
 
 def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: float,
