@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax._src import ad_util, custom_derivatives, hijax, xla_bridge
 from jax._src import core as jax_core
 from jax._src.core import NamedAxisEffect
+from jax._src.interpreters import ad
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import windowed_reductions
 from jax._src.lax.control_flow import loops
 from jax.ad_checkpoint import checkpoint_name
@@ -85,10 +87,55 @@ def custom_vjp_params(params):
             residuals, params["num_consts"], params["symbolic_zeros"])
 
 
+def trace_custom_vjp_fwd(fwd, floats):
+    """A custom_vjp_call's fwd (`custom_vjp_params`) traced with one 'tangent may be nonzero' flag
+    per primal input (`floats`): (jaxpr, consts, n_lifted). A custom_vjp that vmap bound again
+    from a jaxpr takes the closed-over values of the original call as its leading primal inputs,
+    and its fwd refuses a nonzero tangent for them (`lift_fwd`'s `CustomVJPException`):
+    `n_lifted` counts those, flagged zero."""
+    for n_lifted in range(len(floats) + 1):
+        try:
+            jaxpr, consts = fwd(*[False] * n_lifted, *floats[n_lifted:])
+        except ad.CustomVJPException:
+            if n_lifted == len(floats):
+                raise
+            continue
+        return jaxpr, consts, n_lifted
+
+
 def remat_opt_fwd(params):
     """The fwd of a `remat_opt` eqn (`jax.custom_vjp(..., optimize_remat=True)`): a ClosedJaxpr
     of (consts, primals) -> (residuals, primal outputs)."""
     return params["fwd_jaxpr"]
+
+
+def remat_opt_split(params):
+    """A `remat_opt` eqn as JAX runs it under a remat that does not save its outputs
+    (`_remat_opt_dce`): (residuals, primal), each a (jaxpr, consts). residuals: fwd cut to its
+    residual outputs, of (consts, primals); primal: the custom function itself, of the primals,
+    traced now. None if that function closes over values of the trace that bound the eqn (JAX
+    traces it within that trace; jgraph, after it, has only their tracers)."""
+    fwd, n_res = params["fwd_jaxpr"], params["num_res"]
+    used = [k < n_res for k in range(len(fwd.jaxpr.outvars))]
+    residuals, _ = pe.dce_jaxpr(fwd.jaxpr, used, instantiate=True)
+    primal = params["fun_jaxpr_thunk"]()
+    if any(isinstance(c, jax.core.Tracer) for c in primal[1]):
+        return None
+    return (residuals, fwd.consts), primal
+
+
+def remat_opt_saved(policy, eqn) -> bool:
+    """Whether JAX's remat with `policy` (None: nothing_saveable) saves the outputs of `remat_opt`
+    eqn `eqn`, so that the custom_vjp's fwd runs in the forward pass. Otherwise the forward needs
+    only fwd's primal outputs, and JAX computes them with the custom function instead; a fwd with
+    no residuals of its own (only its inputs) always leaves them to the function."""
+    if policy is None or not eqn.params["num_res"]:
+        return False
+    answer = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+    if isinstance(answer, (bool, jnp.bool_)):
+        return bool(answer)
+    markers = jax.ad_checkpoint  # JAX's answers besides a bool (partial_eval's ensure_enum)
+    return answer is markers.Saveable or isinstance(answer, markers.Offloadable)
 
 
 # -- JAX's next remat and custom_vjp (the `jax_remat3`, `jax_custom_vjp3` flags) -----------------
@@ -118,6 +165,9 @@ class HiVJP:
         traced = getattr(prim, "traced", None)
         self.name = getattr(traced, "fun_name", None) or type(prim).__name__
         self.res_tree = None  # known once `fwd` is traced
+        # custom_vjp(..., optimize_remat=True): under any remat, JAX computes the primal outputs
+        # with the function itself and runs fwd for the residuals only (`OptRemat`).
+        self.opt_remat = bool(getattr(prim, "opt_remat", False))
 
     def body(self, avals):
         """The primal function, a ClosedJaxpr of the flat inputs."""
@@ -167,6 +217,11 @@ def check() -> None:
         "jax._src.custom_derivatives.custom_vjp_call_p": (custom_derivatives, "custom_vjp_call_p"),
         "jax._src.lax.control_flow.loops.scan_p": (loops, "scan_p"),
         "jax._src.hijax.VJPHiPrimitive": (hijax, "VJPHiPrimitive"),
+        "jax._src.interpreters.partial_eval.dce_jaxpr": (pe, "dce_jaxpr"),
+        "jax._src.interpreters.ad.CustomVJPException": (getattr(custom_derivatives, "ad", None),
+                                                        "CustomVJPException"),
+        "jax.ad_checkpoint.Saveable": (jax.ad_checkpoint, "Saveable"),
+        "jax.ad_checkpoint.Offloadable": (jax.ad_checkpoint, "Offloadable"),
     }
     missing = [name for name, (module, attr) in needed.items() if not hasattr(module, attr)]
     missing += _missing_params()
@@ -198,7 +253,7 @@ def _missing_params() -> list[str]:
         "custom_vjp_call": (g, {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees",
                                 "num_consts", "symbolic_zeros"}),
         "remat2": (jax.checkpoint(jnp.sin), {"jaxpr", "policy", "prevent_cse"}),
-        "remat_opt": (jax.grad(h), {"fwd_jaxpr"}),
+        "remat_opt": (jax.grad(h), {"fwd_jaxpr", "num_res", "fun_jaxpr_thunk"}),
     }
     missing = []
     for name, (fn, keys) in expected.items():

@@ -67,6 +67,9 @@ class Builder:
         self.new_regions: list[Region] = []  # regions met while inlining (checkpoint in a jaxpr)
         self.next_region_id = 0
         self.in_custom_fwd = False  # inlining a custom_vjp's fwd: nested custom_vjps are inlined
+        # Policies of the checkpoint regions around what this builder traces (a loop body or a
+        # branch inside a region), outermost first; None saves nothing.
+        self.enclosing_policies: tuple = ()
 
     # -- binding ------------------------------------------------------------------------------
     def bind(self, op: str, *inputs, **params) -> list[Var]:
@@ -160,6 +163,12 @@ class Builder:
         self.new_regions.append(region)
         self.regions = self.regions + (region.id,)
         return region
+
+    def remat_policies(self) -> tuple:
+        """The policies of the checkpoint regions the eqns being traced lie in, outermost first,
+        through loop bodies and branches; empty outside any region."""
+        own = {r.id: r.policy for r in self.new_regions}
+        return self.enclosing_policies + tuple(own.get(r) for r in self.regions)
 
 
 def _trace_config() -> tuple:

@@ -34,6 +34,7 @@ def sub_graph(b: Builder, closed_jaxpr) -> Graph:
     """A sub-jaxpr (a loop body, a branch) as a Graph, traced by a builder like `b`."""
     jaxpr, consts = internals.call_body({"jaxpr": closed_jaxpr})
     inner = Builder(source=b.source)
+    inner.enclosing_policies = b.remat_policies()  # a remat around the loop applies inside it
     inputs = tuple(Var(v.aval) for v in jaxpr.invars)
     outputs = tuple(inner.inline(jaxpr, consts, inputs))
     return Graph(inputs=inputs, eqns=tuple(inner.eqns), outputs=outputs,

@@ -68,13 +68,15 @@ def _passing(start: int, stop: int):
 def user_cotangents(bwd, res, cts, primal_avals) -> list:
     """The user's bwd (a `UserRule`) on (residuals, output cotangents): one cotangent per primal
     input, None where it is zero or the input is not floating. A cotangent of another floating
-    dtype (f32 for a bf16 input) is cast to the input's dtype, so the backward stays typed."""
-    cts_in = internals.call_user_bwd(bwd.fn, *res, *cts)
+    dtype (f32 for a bf16 input) is cast to the input's dtype, so the backward stays typed; a
+    Python scalar (which JAX accepts for a scalar input) becomes an array."""
+    cts_in = list(internals.call_user_bwd(bwd.fn, *res, *cts))[bwd.n_lifted:]
     out = []
     for ct, aval in zip(cts_in, primal_avals, strict=True):
         if ct is None or isinstance(ct, internals.SymbolicZero) or not is_float(aval):
             out.append(None)
         else:
+            ct = jnp.asarray(ct)
             out.append(ct if ct.dtype == aval.dtype else ct.astype(aval.dtype))
     return out
 

@@ -53,5 +53,8 @@ def _custom_vjp(b: Builder, hi, inputs):
     fwd = hi.fwd(specs, [is_float(a.aval) for a in inputs])
     n_res = hi.res_tree.num_leaves
     user_fwd = UserFwd(fwd.jaxpr, tuple(fwd.consts), (None,) * n_res, n_res, hi.name)
+    # optimize_remat=True under any remat (whatever its policy): JAX's `OptRemat` computes the
+    # primal outputs with the function itself, and fwd only the residuals.
     return emit_custom_vjp(b, inputs, 0, (body.jaxpr, body.consts), user_fwd,
-                           UserRule(hi, "bwd", hi.name), False)
+                           UserRule(hi, "bwd", hi.name), False,
+                           primal_from_body=hi.opt_remat and bool(b.remat_policies()))

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jgraph import ops, policies
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
@@ -79,7 +81,47 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     for region_id in planner.emitted.values():
         counts[region_id] += 1
     info = dict(graph.info, remat={"recomputed_eqns": counts, "policy": _policy_label(policy)})
-    return _prune_recomputed_loops(dce(graph.replace(eqns=tuple(eqns), info=info)))
+    graph = _pin_narrow_residuals(graph.replace(eqns=tuple(eqns), info=info), planner)
+    return _prune_recomputed_loops(dce(graph))
+
+
+def _pin_narrow_residuals(graph: Graph, planner: _Planner) -> Graph:
+    """Round each float narrower than f32 that a region keeps for the backward and that its own
+    forward reads too, to its type (`reduce_precision`) right after its producer; every reader
+    reads the rounded value. XLA may compute such a value in f32 and skip the rounding where a
+    reader fuses with its producer (a widening convert is folded away): the forward would see
+    more precision than the kept buffer gives the backward. JAX's remat pins every residual so
+    (jax-ml/jax#22244); f32 and wider are computed as stored, so they need no pin and cost none."""
+    def narrow(v):  # and not pinned yet (a graph rematerialized again)
+        return (jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.dtype.itemsize < 4
+                and planner.producer[v].op != "reduce_precision")
+
+    def region_of(v):  # the outermost region of v's producer, or None
+        return (planner.producer[v].regions or (None,))[0] if v in planner.producer else None
+
+    read_back = {a for e in graph.eqns if not is_forward(e) for a in e.inputs
+                 if isinstance(a, Var)}
+    read_inside = {a for e in graph.eqns if is_forward(e) for a in e.inputs
+                   if isinstance(a, Var) and region_of(a) in e.regions}
+    pins = {v: Var(v.aval) for v in read_back & read_inside if narrow(v)}
+    if not pins:
+        return graph
+
+    def pinned(atoms):
+        return tuple(pins.get(a, a) if isinstance(a, Var) else a for a in atoms)
+
+    eqns = []
+    for eqn in graph.eqns:
+        if any(isinstance(a, Var) and a in pins for a in eqn.inputs):
+            eqn = dataclasses.replace(eqn, inputs=pinned(eqn.inputs))
+        eqns.append(eqn)
+        for v in eqn.outputs:
+            if v in pins:
+                finfo = jnp.finfo(v.aval.dtype)
+                eqns.append(Eqn("reduce_precision", (v,), {"exponent_bits": finfo.nexp,
+                                                           "mantissa_bits": finfo.nmant},
+                                (pins[v],), eqn.tags, eqn.regions, eqn.source))
+    return graph.replace(eqns=tuple(eqns), outputs=pinned(graph.outputs))
 
 
 def _prune_recomputed_loops(graph: Graph) -> Graph:

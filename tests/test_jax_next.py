@@ -1,7 +1,11 @@
-"""JAX's own programs jgraph refused before (issue 19, items 9-12), each checked against JAX:
+"""JAX's own programs jgraph refused before (issue 19, items 9-12; issue 29), each checked against
+JAX:
 
 - a custom_vjp bwd returning an f32 cotangent for a bf16 input;
-- `jax.custom_vjp(..., optimize_remat=True)` (primitive `remat_opt`);
+- `jax.custom_vjp(..., optimize_remat=True)` (primitive `remat_opt`), and its primal output under
+  a remat when fwd's is another (issue 29);
+- a custom_vjp bwd returning a Python float, and a custom_vjp closing over a value, under vmap
+  (issue 29);
 - JAX's next remat and custom_vjp (`jax_remat3`, `jax_custom_vjp3`: `call_hi_primitive`), under
   both flag settings (the `jax_flags` fixture sets them and restores them);
 - `jax.debug.print`, ordered or not, in scan / fori_loop / cond / while bodies: printed in JAX's
@@ -211,6 +215,60 @@ def test_optimize_remat_gradients_equal_jax(jax_flags, name):
     _close(jg.compile(jg.remat(gb, policy=jg.policies.nothing_saveable))(x, y), want)
 
 
+def _another_primal(residual):
+    """JAX's test_optimize_remat_gh21303: the function is tan, but its fwd gives sin as the primal
+    output, and the input itself ("input") or cos ("cos") as the residual."""
+    @jax.custom_vjp
+    def f(x):
+        return jnp.tan(x)
+
+    if residual == "input":
+        f.defvjp(lambda x: (jnp.sin(x), (x,)), lambda r, g: (jnp.cos(r[0]) * g,),
+                 optimize_remat=True)
+    else:
+        f.defvjp(lambda x: (jnp.sin(x), (jnp.cos(x),)), lambda r, g: (r[0] * g,),
+                 optimize_remat=True)
+    return f
+
+
+_SAVING = jax.checkpoint_policies.everything_saveable
+_ANOTHER_PRIMAL = {  # name: (residual, program of f)
+    "gh21303": ("input", lambda f: lambda x: jax.checkpoint(f)(x) ** 2),
+    "remat": ("cos", lambda f: lambda x: jax.checkpoint(f)(x) ** 2),
+    "saving_input": ("input", lambda f: lambda x: jax.checkpoint(f, policy=_SAVING)(x) ** 2),
+    "saving_cos": ("cos", lambda f: lambda x: jax.checkpoint(f, policy=_SAVING)(x) ** 2),
+    "no_remat": ("cos", lambda f: lambda x: f(x) ** 2),
+    "cond_in_remat": ("cos", lambda f: lambda x: jax.checkpoint(
+        lambda x: lax.cond(x > 0, f, jnp.sin, x))(x) ** 2),
+    "remat_in_scan": ("cos", lambda f: lambda x: lax.scan(
+        lambda c, _: (jax.checkpoint(f)(c) + 1.0, None), x, None, length=2)[0] ** 2),
+    "saving_around_remat": ("cos", lambda f: lambda x: jax.checkpoint(
+        jax.checkpoint(f), policy=_SAVING)(x) ** 2),
+}
+
+
+@pytest.mark.parametrize("name,jax_flags", _both(sorted(_ANOTHER_PRIMAL), quick=["gh21303"]),
+                         indirect=["jax_flags"])
+def test_optimize_remat_takes_the_primal_output_where_jax_does(jax_flags, name):
+    """Where fwd's primal output is not the function's, JAX's answer depends on the remat around
+    the call: under one, the forward computes the function itself and fwd runs for its residuals
+    only, unless the remat saves those (default flags: a policy saving the call, and fwd has
+    residuals other than its inputs). jgraph takes the same primal output, so its value and
+    gradient are JAX's (it gave fwd's: tan(3.2)**2 was sin(3.2)**2, and the gradient's sign
+    flipped). (Not here: where the same remat reads the call's output again in its backward, JAX
+    recomputes it with fwd, so its backward reads sin where its forward read tan; jgraph's
+    backward reads the forward's value.)"""
+    residual, make = _ANOTHER_PRIMAL[name]
+    program, x = make(_another_primal(residual)), jnp.float32(3.2)
+    want = jax.jit(jax.value_and_grad(program))(x)
+    if name == "gh21303":  # what JAX's own test asserts
+        _close(want[0], jnp.tan(x) ** 2)
+    gb = jg.backward(jg.trace(program, x, param_argnums=0))
+    _close(jg.compile(gb)(x), want)
+    _close(jg.compile(jg.remat(gb))(x), want)
+    _close(jg.value_and_grad(program)(x), want)
+
+
 # -- item 12: jax.debug.print in loop bodies -----------------------------------------------------
 def _print(fmt, ordered, **values):
     jax.debug.print(fmt, ordered=ordered, **values)
@@ -365,3 +423,74 @@ def test_a_print_is_an_op_no_pass_drops_or_merges():
     assert sum(e.op == "debug_print" for e in gb.eqns) == 2
     assert any(e.op == "scan" for e in gb.eqns)  # its result is unused, but it prints
     assert str(jg.passes.cse(gb)) == str(gb) and str(jg.passes.dce(gb)) == str(gb)
+
+
+# -- issue 29: CustomVJPTest programs jgraph still refused -----------------------------------------
+def _float0_in_a_scan(x, y):
+    """JAX's test_float0_initial_style: a custom_vjp of a (float, int) pair, in a scan, whose bwd
+    returns a Python float for the float and a float0 zero for the int."""
+    @jax.custom_vjp
+    def f(c):
+        return c
+
+    f.defvjp(lambda c: (c, (2.0, c)),
+             lambda *_: ((2.0, jnp.zeros((), jax.dtypes.float0)),))
+    out, _ = lax.scan(lambda c, _: (f(c), None), (x, y), None, length=1)
+    return out[0]
+
+
+def test_a_bwd_returning_a_python_float_and_a_float0_zero(jax_flags):
+    """The backward took the Python float for an array (AttributeError: 'float' object has no
+    attribute 'dtype'); JAX accepts it for a scalar input."""
+    x, y = 2.0, 3
+    want = jax.grad(_float0_in_a_scan, argnums=(0, 1), allow_int=True)(x, y)
+    got = jg.grad(_float0_in_a_scan, argnums=(0, 1), allow_int=True)(x, y)
+    _close(got[0], want[0])
+    assert got[1].dtype == want[1].dtype == jax.dtypes.float0 and got[1].shape == ()
+    _close(_step(_float0_in_a_scan, x, y)(x, y),
+           jax.jit(jax.value_and_grad(_float0_in_a_scan))(x, y))
+
+
+def _vmapped_scan_closing_over(y):
+    """JAX's test_initial_style_vmap_3: a custom_vjp closing over `y`, in a scan, under vmap
+    (which makes `y` an input of the custom_vjp JAX binds again)."""
+    @jax.custom_vjp
+    def f(x):
+        assert jnp.ndim(x) == 0
+        return 3 * x * jnp.sum(y)
+
+    f.defvjp(lambda x: (f(x), jnp.cos(x)), lambda cos_x, g: (2 * cos_x * g,))
+    return jax.vmap(lambda x: lax.scan(lambda c, _: (f(c), None), x, None, length=1)[0])
+
+
+def test_vmap_of_a_scanned_custom_vjp_closing_over_a_constant(jax_flags):
+    """A raw `CustomVJPException` escaped jg.trace: jgraph asked the custom_vjp's fwd for a
+    tangent of the closed-over constant, which JAX asks for only if something perturbs it."""
+    y = jnp.arange(1.0, 4.0)
+
+    def loss(x):
+        return _vmapped_scan_closing_over(y)(x).sum()
+
+    x = jnp.arange(3.0)
+    want = jax.jit(jax.value_and_grad(loss))(x)
+    _close(want[1], 2 * jnp.cos(x))  # what JAX's own test asserts
+    _close(jg.value_and_grad(loss)(x), want)
+    _close(_step(loss, x)(x), want)
+    _close(jax.grad(jg.to_jax(jg.trace(loss, x, param_argnums=0)))(x), want[1])
+
+
+def test_differentiating_a_value_closed_over_under_vmap_names_the_line(jax_flags):
+    """A param the closed-over value depends on: JAX refuses (a `CustomVJPException`; with its
+    next custom_vjp, an escaped tracer), and so does jgraph, naming the user's line. Where nothing
+    differentiates it, both take the gradient (default flags: JAX's next custom_vjp refuses the
+    traced closure under jit, as jg.trace does)."""
+    def loss(w, x):
+        return _vmapped_scan_closing_over(w * 2)(x).sum()
+
+    w, x = jnp.arange(1.0, 4.0), jnp.arange(3.0)
+    with pytest.raises(Exception, match="closed-over value|closed over"):
+        jax.grad(loss)(w, x)
+    with pytest.raises((jg.TransformError, jg.TraceError), match=r"test_jax_next\.py:\d+"):
+        jg.grad(loss)(w, x)
+    if not jax.config.jax_custom_vjp3:
+        _close(jg.grad(loss, argnums=1)(w, x), jax.jit(jax.grad(loss, argnums=1))(w, x))

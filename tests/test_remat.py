@@ -354,6 +354,51 @@ def test_recompute_eqns_are_tagged_and_placed_before_their_first_reader():
     assert all(e.tags == {"recompute"} for e in recomputed(no_cse_off))
 
 
+# -- a kept bf16 value: the forward reads what the backward reads ----------------------------------
+def excess_precision_program():
+    """JAX's RematTest.test_excess_precision_hell: a bf16 matmul (1 + eps) I, kept by a remat that
+    saves everything, and read by its forward as f32 (its value) and by a custom_vjp's bwd (its
+    gradient): (value, gradient) as the pair (loss and aux, grad) of jg.value_and_grad."""
+    @jax.custom_vjp
+    def dot(x):
+        return jnp.dot(x, x)
+
+    dot.defvjp(lambda x: (dot(x), None), lambda _, g: (g,))
+
+    @jax.custom_vjp
+    def widen(x):
+        return F32(1.0) * x.astype(F32)
+
+    widen.defvjp(lambda x: (widen(x), x), lambda x, _: (F32(1.0) * x.astype(F32),))
+    f = jax.checkpoint(lambda x: widen(dot(x)), policy=lambda *_, **__: True)
+
+    def loss(x):
+        y = f(x)
+        return jnp.sum(y), y
+
+    x = (1 + jnp.finfo(jnp.bfloat16).eps) * jnp.eye(2, dtype=jnp.bfloat16)
+    return loss, x
+
+
+def test_a_kept_bf16_value_is_the_forward_s_value_too():
+    """XLA computes the bf16 matmul in f32 and folds the rounding away into the forward's widening
+    convert (1.015686 instead of bf16's 1.015625), while the backward reads the kept, rounded
+    buffer. JAX's remat pins its residuals (`reduce_precision`), so its value and gradient agree
+    exactly; so do jgraph's (the value differed by 6e-5), and both equal JAX's bit for bit."""
+    loss, x = excess_precision_program()
+    want = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    np.testing.assert_array_equal(want[0][1], want[1])  # JAX's own test: y == y_, exactly
+    gr = jg.remat(joint(loss, x, has_aux=True))
+    assert [e.op for e in gr.eqns].count("reduce_precision") == 1
+    assert str(jg.remat(gr)) == str(gr)  # pinned once
+    for got in [jg.compile(gr)(x), jax.jit(jg.value_and_grad(loss, has_aux=True))(x)]:
+        (value, y), grad = got
+        assert grad.dtype == jnp.bfloat16  # JAX's is f32: jgraph casts a bwd's cotangent
+        for a, b in [(value, want[0][0]), (y, want[0][1]), (grad.astype(F32), want[1])]:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(jg.evaluate(gr, x)[0][1], want[0][1])
+
+
 # -- the lowering keeps recompute alive in XLA -----------------------------------------------------
 def small_chain(segment, layers=8, width=64, batch=32):
     keys = jax.random.split(jax.random.PRNGKey(0), layers + 1)
