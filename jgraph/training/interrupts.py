@@ -8,7 +8,9 @@ handler was installed before, as soon as the window closes (the step is complete
 `StopRequest` is what `fit` installs for a whole run: the first Ctrl-C only asks the loop to stop
 at the next step boundary (the loop polls `requested`); a second one raises `KeyboardInterrupt`
 at once. Both work only in the main thread, the only one Python delivers signals to, and only
-where SIGINT's handler was installed from Python (as it is by default); elsewhere they do nothing.
+where SIGINT's handler was installed from Python (as it is by default) and SIGINT is not ignored
+(SIG_IGN: `nohup`, `cmd &` in a script, many CI runners, where it stays ignored, as the launcher
+asked); elsewhere they do nothing.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ except ImportError:  # pragma: no cover - not CPython
 
 
 def _can_handle() -> bool:
-    """Main thread, and a SIGINT handler that Python installed (so it can be put back)."""
+    """Main thread, and a SIGINT handler that Python installed (so it can be put back) and that is
+    not SIG_IGN: a process started with SIGINT ignored (`nohup`, `cmd &` in a script, CI runners)
+    was asked to run through it, and a handler of ours would un-ignore it."""
     return (threading.current_thread() is threading.main_thread()
-            and _get_handler(signal.SIGINT) is not None)
+            and _get_handler(signal.SIGINT) not in (None, signal.SIG_IGN))
 
 
 def _deliver(handler, signum, frame) -> None:
