@@ -10,12 +10,15 @@ The pieces, one concept per module:
 - `exact`: the same plan space solved exactly as a MILP (`scipy.optimize.milp`, HiGHS);
 - `loops`: what a scan body saves, and splitting a scan into nested scans;
 - `validate`: budgets, and the temp XLA allocates for a plan;
+- `dag`: `Dag` and `schedule`, rematerialization of any DAG of costed nodes (Checkmate's
+  problem): a greedy schedule and the exact MILP; `replay` checks and measures a schedule;
 - `search` (here): plan on the model, check the plan's `jg.memory` estimate, compile it, and when
   XLA allocates more than the budget, tighten the model's target and plan again.
 """
 
 from __future__ import annotations
 
+from jgraph.planner.dag import Dag, Schedule, replay, schedule
 from jgraph.planner.search import PLANNERS, remat_under_budget
 
-__all__ = ["PLANNERS", "remat_under_budget"]
+__all__ = ["PLANNERS", "Dag", "Schedule", "remat_under_budget", "replay", "schedule"]
