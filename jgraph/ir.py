@@ -27,10 +27,9 @@ The text form is jaxpr-like. Printing is API: tests compare it to golden strings
 Variables are named a, b, ..., z, ba, bb, ... in order of appearance; each input and output carries
 `@role`. Params print as `key=value`, leaving out what the output aval already says (a broadcast's
 or reshape's shape), defaults (None, `weak_type=False`, unit dilations, zero window padding) and
-empty dimension-number fields; a `scatter` prints its combiner (`update_jaxpr`) on one line when it
-has one; `dot_general` prints its contracting and batch dimensions as
-`lhs x rhs`, a convolution its layouts as `N01C,01IO->N01C`. Tags and regions follow an eqn as a
-comment; the regions of the graph are listed after it.
+empty dimension-number fields; some ops print theirs compactly (`PARAM_VIEWS`, which `jgraph.ops`
+fills: `dot_general`'s dimensions as `lhs x rhs`, a convolution's layouts as `N01C,01IO->N01C`).
+Tags and regions follow an eqn as a comment; the regions of the graph are listed after it.
 
 `while_processing` (as torch.fx's interpreter says "While executing ..."): a jgraph error gets a
 note quoting the eqn as `str(graph)` prints it and the user's source line; any other exception
@@ -207,10 +206,6 @@ def is_extended(dtype) -> bool:
 
 def is_float(aval) -> bool:
     return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
-
-
-def atom_aval(atom: Atom):
-    return atom.aval
 
 
 # -- field checks: every field has the IR's type (what printing and `check` rely on)
@@ -395,100 +390,9 @@ def format_param(value) -> str:
     return str(value)
 
 
-def _dims(lhs, rhs) -> str:
-    return f"[{','.join(map(str, lhs))}]x[{','.join(map(str, rhs))}]"
-
-
-def _dot_general_params(params, eqn):
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    out = {"contract": _dims(lc, rc)}
-    if lb or rb:
-        out["batch"] = _dims(lb, rb)
-    pet = params.get("preferred_element_type")
-    rest = {k: v for k, v in params.items() if k not in ("dimension_numbers",
-                                                         "preferred_element_type")}
-    if pet is not None and eqn.outputs and pet != eqn.outputs[0].aval.dtype:
-        out["preferred_element_type"] = pet
-    return out | rest
-
-
-def _layout(spec, first: str, second: str) -> str:
-    chars = [""] * len(spec)
-    chars[spec[0]], chars[spec[1]] = first, second
-    for i, dim in enumerate(spec[2:]):
-        chars[dim] = str(i)
-    return "".join(chars)
-
-
-def _all(values, unit) -> bool:
-    return values is None or all(v == unit for v in values)
-
-
-def _conv_params(params, eqn):
-    out = dict(params)
-    dn = out.pop("dimension_numbers")
-    if dn is not None:
-        lhs, rhs, res = dn
-        out = {"dims": f"{_layout(lhs, 'N', 'C')},{_layout(rhs, 'O', 'I')}->"
-                       f"{_layout(res, 'N', 'C')}"} | out
-    for key in ("lhs_dilation", "rhs_dilation"):
-        if _all(out.get(key), 1):
-            out.pop(key, None)
-    for key in ("feature_group_count", "batch_group_count"):
-        if out.get(key) == 1:
-            out.pop(key)
-    return out
-
-
-def _gather_params(params, eqn):
-    out = dict(params)
-    dn = out.pop("dimension_numbers")
-    short = {"offset_dims": "offset", "collapsed_slice_dims": "collapsed",
-             "start_index_map": "start_map", "operand_batching_dims": "operand_batch",
-             "start_indices_batching_dims": "indices_batch",
-             "update_window_dims": "window", "inserted_window_dims": "inserted",
-             "scatter_dims_to_operand_dims": "to_operand",
-             "scatter_indices_batching_dims": "indices_batch"}
-    fields = {short.get(k, k): v for k, v in zip(dn._fields, dn, strict=True) if v != ()}
-    combiner = out.pop("update_jaxpr", None)
-    if combiner is not None and eqn.op == "scatter":  # what it computes (the others: their name)
-        out["update_jaxpr"] = " ".join(str(combiner).split())
-    if out.get("update_consts") == ():
-        out.pop("update_consts")
-    return fields | out
-
-
-def _reduce_window_params(params, eqn):
-    out = dict(params)
-    if _all((p for pair in out.get("padding", ()) for p in pair), 0):
-        out.pop("padding", None)
-    for key in ("base_dilation", "window_dilation"):
-        if _all(out.get(key), 1):
-            out.pop(key, None)
-    return out
-
-
-def _without(*keys):
-    return lambda params, eqn: {k: v for k, v in params.items() if k not in keys}
-
-
-def _broadcast_params(params, eqn):
-    return {"dims": params["broadcast_dimensions"]} | _without(
-        "shape", "broadcast_dimensions")(params, eqn)
-
-
-# Per-op rewriting of params for printing (what the output aval says, or a compact form).
-_PARAM_VIEWS = {
-    "dot_general": _dot_general_params,
-    "conv_general_dilated": _conv_params,
-    "gather": _gather_params,
-    "broadcast_in_dim": _broadcast_params,
-    "reshape": _without("new_sizes"),
-}
-for _op in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max"):
-    _PARAM_VIEWS[_op] = _gather_params
-for _op in ("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window"):
-    _PARAM_VIEWS[_op] = _reduce_window_params
+# Per-op rewriting of params for printing (what the output aval says, or a compact form): a
+# table read here, filled by `jgraph.ops` (op -> fn(params, eqn) -> the params to print).
+PARAM_VIEWS: dict[str, Callable] = {}
 # Params left out when they have this (default) value.
 _DEFAULTS = {"weak_type": False, "unique_indices": False, "indices_are_sorted": False,
              "reverse": False, "unroll": 1}
@@ -498,7 +402,7 @@ _HIDDEN = frozenset({"joint"})
 
 def format_params(eqn, nested: bool = False) -> str:
     """`[k=v ...]`; with `nested`, sub-graph params are left out (printed below the eqn)."""
-    view = _PARAM_VIEWS.get(eqn.op)
+    view = PARAM_VIEWS.get(eqn.op)
     params = view(eqn.params, eqn) if view else eqn.params
     shown = [f"{k}={format_param(v)}" for k, v in params.items()
              if v is not None and k not in _HIDDEN

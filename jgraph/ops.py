@@ -19,7 +19,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jgraph.errors import JGraphError
-from jgraph.ir import Graph
+from jgraph.ir import PARAM_VIEWS, Graph
 
 Primitive = jex_core.Primitive
 primitives: dict[str, Primitive] = {}  # op name -> the JAX primitive it binds
@@ -124,3 +124,100 @@ def _unlisted_primitives() -> list[Primitive]:
         except Exception:  # pragma: no cover - the tracer registers what it meets anyway
             continue
     return prims
+
+
+# -- param views: how `str(graph)` prints an op's params (`jgraph.ir.PARAM_VIEWS`) -----------
+def _dims(lhs, rhs) -> str:
+    return f"[{','.join(map(str, lhs))}]x[{','.join(map(str, rhs))}]"
+
+
+def _dot_general_params(params, eqn):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    out = {"contract": _dims(lc, rc)}
+    if lb or rb:
+        out["batch"] = _dims(lb, rb)
+    pet = params.get("preferred_element_type")
+    rest = {k: v for k, v in params.items() if k not in ("dimension_numbers",
+                                                         "preferred_element_type")}
+    if pet is not None and eqn.outputs and pet != eqn.outputs[0].aval.dtype:
+        out["preferred_element_type"] = pet
+    return out | rest
+
+
+def _layout(spec, first: str, second: str) -> str:
+    chars = [""] * len(spec)
+    chars[spec[0]], chars[spec[1]] = first, second
+    for i, dim in enumerate(spec[2:]):
+        chars[dim] = str(i)
+    return "".join(chars)
+
+
+def _all(values, unit) -> bool:
+    return values is None or all(v == unit for v in values)
+
+
+def _conv_params(params, eqn):
+    out = dict(params)
+    dn = out.pop("dimension_numbers")
+    if dn is not None:
+        lhs, rhs, res = dn
+        out = {"dims": f"{_layout(lhs, 'N', 'C')},{_layout(rhs, 'O', 'I')}->"
+                       f"{_layout(res, 'N', 'C')}"} | out
+    for key in ("lhs_dilation", "rhs_dilation"):
+        if _all(out.get(key), 1):
+            out.pop(key, None)
+    for key in ("feature_group_count", "batch_group_count"):
+        if out.get(key) == 1:
+            out.pop(key)
+    return out
+
+
+def _gather_params(params, eqn):
+    out = dict(params)
+    dn = out.pop("dimension_numbers")
+    short = {"offset_dims": "offset", "collapsed_slice_dims": "collapsed",
+             "start_index_map": "start_map", "operand_batching_dims": "operand_batch",
+             "start_indices_batching_dims": "indices_batch",
+             "update_window_dims": "window", "inserted_window_dims": "inserted",
+             "scatter_dims_to_operand_dims": "to_operand",
+             "scatter_indices_batching_dims": "indices_batch"}
+    fields = {short.get(k, k): v for k, v in zip(dn._fields, dn, strict=True) if v != ()}
+    combiner = out.pop("update_jaxpr", None)
+    if combiner is not None and eqn.op == "scatter":  # what it computes (the others: their name)
+        out["update_jaxpr"] = " ".join(str(combiner).split())
+    if out.get("update_consts") == ():
+        out.pop("update_consts")
+    return fields | out
+
+
+def _reduce_window_params(params, eqn):
+    out = dict(params)
+    if _all((p for pair in out.get("padding", ()) for p in pair), 0):
+        out.pop("padding", None)
+    for key in ("base_dilation", "window_dilation"):
+        if _all(out.get(key), 1):
+            out.pop(key, None)
+    return out
+
+
+def _without(*keys):
+    return lambda params, eqn: {k: v for k, v in params.items() if k not in keys}
+
+
+def _broadcast_params(params, eqn):
+    return {"dims": params["broadcast_dimensions"]} | _without(
+        "shape", "broadcast_dimensions")(params, eqn)
+
+
+# How `str(graph)` prints some ops' params (what the output aval says, or a compact form).
+PARAM_VIEWS.update({
+    "dot_general": _dot_general_params,
+    "conv_general_dilated": _conv_params,
+    "gather": _gather_params,
+    "broadcast_in_dim": _broadcast_params,
+    "reshape": _without("new_sizes"),
+})
+for _op in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max"):
+    PARAM_VIEWS[_op] = _gather_params
+for _op in ("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window"):
+    PARAM_VIEWS[_op] = _reduce_window_params
