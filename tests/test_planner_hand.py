@@ -16,34 +16,14 @@ import numpy as np
 import pytest
 
 import jgraph as jg
+from benchmarks.bench_planner import unet
+from benchmarks.bench_planner import unet_args as bench_unet_args
 from jgraph.planner import hand
 from jgraph.planner.search import problems, xla_temp
 
 
 def unet_args(levels, width=128, batch=128):
-    keys = iter(jax.random.split(jax.random.PRNGKey(0), 4 * levels + 2))
-
-    def block():
-        return {"w1": jax.random.normal(next(keys), (width, 4 * width)) * width**-0.5,
-                "w2": jax.random.normal(next(keys), (4 * width, width)) * (4 * width)**-0.5}
-
-    params = {"enc": [block() for _ in range(levels)], "dec": [block() for _ in range(levels)]}
-    return params, jax.random.normal(next(keys), (batch, width))
-
-
-def unet(wrap=lambda f: f):
-    layer = wrap(lambda p, h: jnp.tanh(jax.nn.gelu(h @ p["w1"]) @ p["w2"]))
-
-    def loss(params, x):
-        skips, h = [], x
-        for p in params["enc"]:
-            h = layer(p, h)
-            skips.append(h)
-        for p, s in zip(params["dec"], reversed(skips), strict=True):
-            h = layer(p, h + s)
-        return jnp.mean(h**2)
-
-    return loss
+    return bench_unet_args(levels, width, batch)
 
 
 def chain(params, x):

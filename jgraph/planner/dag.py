@@ -1,24 +1,12 @@
-"""Rematerialization of any DAG of costed nodes: `Dag`, `schedule`, `replay`.
+"""Rematerialization of any DAG of costed nodes: the solvers behind `schedule`.
 
-The problem is Checkmate's (Jain et al., MLSys 2020), also solved by MOCCASIN (Bartan et al.,
-ICML 2023). A node's output occupies `memory[node]` from its compute until it is freed; computing
-a node costs `cost[node]` and needs the outputs of all its predecessors resident. A schedule is a
-list of events `("compute", node)` and `("free", node)`:
-- every node is computed at least once, and may be computed again (recomputation) once freed;
-- the memory of a compute is what is resident while it runs: its inputs, everything else held,
-  and its own output; `peak` is the largest such sum, `cost` the sum of the costs of all computes;
-- the outputs (by default the last node of `order`, the loss or last gradient of a training
-  graph, as in Checkmate) are resident at the end. Any other sink is freed once computed: it is
-  counted at its compute, as Checkmate and MOCCASIN count a graph's other sinks.
-
-`replay` (`jgraph.planner.dag_model`, with `Dag`) checks a schedule against these rules and
-measures it; `schedule` returns a replayed
-`Schedule` whose peak fits the budget. Its schedules lie in Checkmate's space: `order[t]` is
-first computed in stage t, and each stage first recomputes a set of earlier nodes, each once, in
-`order` (MOCCASIN's space is the same, with at most two computes per node; the fast solver may
-order a stage's recomputes depth first instead). A schedule is then its stages: given them, the
-least memory holds a value only from a compute to its last use before it is computed again
-(`_stage_events`), so every choice of stages is a valid schedule.
+The problem (Checkmate's; MOCCASIN's too), `Dag` and `replay` are in `jgraph.planner.dag_model`.
+`schedule` returns a replayed `Schedule` whose peak fits the budget. Its schedules lie in
+Checkmate's space: `order[t]` is first computed in stage t, and each stage first recomputes a set
+of earlier nodes, each once, in `order` (MOCCASIN's space is the same, with at most two computes
+per node; the fast solver may order a stage's recomputes depth first instead). A schedule is
+then its stages: given them, the least memory holds a value only from a compute to its last use
+before it is computed again (`_stage_events`), so every choice of stages is a valid schedule.
 
 Solvers:
 - `topological`: each node once, in `order`, freed after its last use. No schedule costs less;
