@@ -33,6 +33,7 @@ LAYERS = [
     ["regions"],                   # the remat engine
     ["planner"],
     ["vjp_rules"],                 # rules registering into backward's tables
+    ["fuse", "chunk"],             # below the floor: updates where gradients are made; rows in chunks
     ["remat", "to_jax"],           # the public jg.remat, above the planner it drives
     ["dropin", "training", "testing"],
     ["__init__"],                  # the public names
@@ -201,7 +202,7 @@ def test_imports_go_down_the_layers_with_no_circles():
 
 @pytest.mark.parametrize("module, planted, expected", [
     ("ir", "from jgraph.backward import backward", "imports jgraph.backward (row 7"),
-    ("planner.fast", "from jgraph.remat import remat", "imports jgraph.remat (row 13"),
+    ("planner.fast", "from jgraph.remat import remat", "imports jgraph.remat (row 14"),
     ("lower", "def f():\n    from jgraph import memory", "function-local import of jgraph.memory"),
     ("memory.step", "from jgraph.memory import memory", "its own package's __init__"),
     ("plot", "def f():\n    import pandas", "function-local import of pandas"),
