@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jgraph as jg
-from benchmarks.bench_planner import unet
+from benchmarks.bench_planner import KEEP_BARRIERS, unet
 from benchmarks.bench_planner import unet_args as bench_unet_args
 from jgraph.planner import hand
 from jgraph.planner.search import problems, xla_temp
@@ -70,15 +70,38 @@ def test_a_budget_a_per_layer_checkpoint_meets_is_met(policy):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
 
 
-def test_the_least_temp_reported_is_not_far_above_the_hand_arrangement():
-    """With 8 levels the least plan reaches 1.08x the per-layer checkpoint's temp (the issue's
-    bar, 1.02x, is not met yet); before the hand arrangements it was 1.58x."""
+def _dots_per_segment(problem, segments) -> list[int]:
+    stage_of = {e: k for k, s in enumerate(problem.stage_eqns) for e in s}
+    dots = [stage_of[e] for e in problem.forward.eqns if e.op == "dot_general"]
+    return [sum(s.start <= k < s.stop for k in dots) for s in segments]
+
+
+def test_a_u_net_is_cut_into_one_segment_per_layer():
+    """In the middle levels of a U-Net every boundary is wide (the long skips cross them all):
+    a layer's boundary is still where the new bytes crossing narrow."""
+    levels = 8
+    gb = jg.backward(jg.trace(unet(), *unet_args(levels, 32, 8), param_argnums=0))
+    problem = problems(gb)["loops as traced"]
+    per_layer = hand.layer_segments(problem)[0]
+    counts = _dots_per_segment(problem, per_layer)
+    assert [c for c in counts if c] == [2] * (2 * levels), counts
+
+
+def test_the_least_temp_reported_is_below_the_hand_arrangement():
+    """The least plan on the 8-level U-Net is below the per-layer checkpoint as jgraph compiles
+    it (which keeps each region's output, DESIGN 4.2) and near JAX's own compilation of it with
+    XLA's barrier expander off (1.14x here, at width 128; 1.14x at width 256 with the CPU's
+    fusion cuts, 1.03x without them). Before the hand arrangements it was 1.58x."""
     args = unet_args(8)
     temp = by_hand(unet, args)
+    by_jax = jax.jit(lambda p, x: jax.value_and_grad(unet(jax.checkpoint))(p, x),
+                     donate_argnums=0, compiler_options=KEEP_BARRIERS)
+    jax_temp = by_jax.lower(*args).compile().memory_analysis().temp_size_in_bytes
     gb = jg.backward(jg.trace(unet(), *args, param_argnums=0))
     with pytest.raises(jg.TransformError, match="no plan fits") as caught:
         jg.remat(gb, budget=1024)
     least = int(re.search(r"reaches is (\d+) bytes", str(caught.value)).group(1))
-    assert least <= 1.12 * temp, (least, temp)
+    assert least <= temp, (least, temp)
+    assert least <= 1.2 * jax_temp, (least, jax_temp)
     gr = jg.remat(gb, budget=least)  # the least it reports is a plan it returns
     assert xla_temp(gr) <= least

@@ -6,12 +6,12 @@ body (`lax.scan(jax.checkpoint(body))`), or nests scans. The search (`search`) a
 these to its plan space as a candidate, so that its least plan is never above them and a
 budget one of them meets is always met:
 - *layers*: the forward's stages merged at their narrowing boundaries. A boundary is kept when
-  no more bytes cross it than cross the one before: between two layers, where only the hidden
-  state (and the skips every cut holds) crosses, never inside a layer where a wide intermediate
-  crosses (a feed-forward block's hidden, which the chain's stages may cut at when skips make
-  every cut wide). One segment per layer, each keeping what a policy saves:
-  nothing (`nothing_saveable`), the contractions (`dots_saveable`) or the contractions without
-  batch dimensions (`dots_with_no_batch_dims_saveable`);
+  no more new bytes cross it (values made since the boundary before) than cross the one
+  before: between two layers, where only the new hidden state crosses, never inside a layer,
+  where a wide intermediate crosses (a feed-forward block's hidden, which the chain's stages
+  may cut at when long skips make every cut wide). One segment per layer, each keeping what a
+  policy saves: nothing (`nothing_saveable`), the contractions (`dots_saveable`) or the
+  contractions without batch dimensions (`dots_with_no_batch_dims_saveable`);
 - *loop modes as they are*: a loop mode with no plan around it is `scan(checkpoint(body))` with
   the mode's policy, nested scans, or a scan keeping every k-th carry.
 """
@@ -19,6 +19,7 @@ budget one of them meets is always met:
 from __future__ import annotations
 
 from jgraph import policies
+from jgraph.opkinds import nbytes
 from jgraph.planner.plan import HAND, Plan, Segment
 from jgraph.planner.problem import Problem
 
@@ -38,8 +39,9 @@ def layer_segments(problem: Problem) -> list[tuple[Segment, ...]]:
     if n < 2:
         return []
     # boundary k: after stage k. A layer ends where the boundary narrows (or stays as narrow),
-    # not inside it, where a wide intermediate crosses.
-    crossing = [s.out_bytes for s in problem.stages[:-1]]
+    # not inside it, where a wide intermediate crosses. Only the values made since the boundary
+    # before count: a long skip, crossing every boundary between its ends, does not.
+    crossing = new_bytes([s.boundary_out for s in problem.stages[:-1]])
     first = crossing[1] if len(crossing) > 1 else crossing[0]
     minima = [k + 1 for k, b in enumerate(crossing)
               if b <= (crossing[k - 1] if k > 0 else first)]
@@ -52,6 +54,12 @@ def layer_segments(problem: Problem) -> list[tuple[Segment, ...]]:
             found.append(periodic)
     return [tuple(Segment(a, b) for a, b in zip([0, *cuts], [*cuts, n], strict=False))
             for cuts in found]
+
+
+def new_bytes(boundaries: list[frozenset]) -> list[int]:
+    """Per boundary, the bytes of the values crossing it that did not cross the one before."""
+    return [sum(nbytes(v.aval) for v in here - before)
+            for before, here in zip([frozenset(), *boundaries], boundaries, strict=False)]
 
 
 def saved_by(problem: Problem, policy) -> frozenset:
