@@ -38,7 +38,7 @@ import warnings
 
 from jgraph.backward import backward, forward_of
 from jgraph.errors import BudgetWarning, TransformError
-from jgraph.ir import Graph
+from jgraph.ir import Graph, Var
 from jgraph.memory import memory
 from jgraph.planner import fast, hand, loops, validate
 from jgraph.planner.cost import recompute_flops
@@ -55,17 +55,68 @@ MARGIN = 0.98  # each tightening aims this much below what was missed
 
 
 def problems(graph: Graph) -> dict[str, Problem]:
-    """The graph (regions stripped) in each loop mode, as problems, by mode."""
+    """The graph (regions stripped) in each loop mode, as problems, by mode. A step graph (an
+    optimizer update or other untagged eqns appended to what `backward` returned) keeps its
+    tail in every mode: the budget is the whole step's."""
     plain = without_regions(graph)
     found = {"loops as traced": Problem.of(plain)}
-    forward = forward_of(graph)
+    forward, tail = _forward_and_tail(graph)
     if forward is None or not loops.has_loops(forward):
         return found
     for mode, (rewritten, policy) in loops.modes(forward).items():
         if mode != "loops as traced":
             derived = without_regions(backward(rewritten, loop_policy=policy))
-            found[mode] = Problem.of(derived.replace(info=plain.info), mode)
+            derived = _with_tail(derived, graph, tail) if tail else derived
+            if derived is not None:
+                found[mode] = Problem.of(derived.replace(info=plain.info), mode)
     return found
+
+
+def _forward_and_tail(graph: Graph):
+    """(the forward `backward` derived `graph` from, the eqns appended since: an optimizer
+    update, ...), or (None, ()) when `graph` was changed otherwise."""
+    forward = forward_of(graph)
+    if forward is not None:
+        return forward, ()
+    original, eqns = graph.info.get("backward_of", (None, None))
+    n = len(eqns or ())
+    if original is None or len(graph.eqns) <= n or any(
+            a is not b for a, b in zip(graph.eqns, eqns, strict=False)):
+        return None, ()
+    tail = graph.eqns[n:]
+    if any({"backward", "recompute"} & e.tags for e in tail):
+        return None, ()
+    return original, tail
+
+
+def _with_tail(derived: Graph, graph: Graph, tail) -> Graph | None:
+    """`derived` (a joint graph derived again) with `graph`'s tail appended, reading
+    `derived`'s inputs and outputs where the tail read `graph`'s at the same positions; None
+    when the tail reads anything else of `graph`'s joint part."""
+    n_in, n_out = len(derived.inputs), len(derived.outputs)
+    if (graph.input_roles[:n_in] != derived.input_roles
+            or graph.output_roles[:n_out] != derived.output_roles):
+        return None
+    subst = dict(zip(graph.inputs[:n_in], derived.inputs, strict=True))
+    subst.update((old, new) for old, new in zip(graph.outputs[:n_out], derived.outputs,
+                                                strict=True) if isinstance(old, Var))
+    known = {*derived.inputs, *graph.inputs[n_in:], *subst.values()}
+    eqns = []
+    for e in tail:
+        inputs = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in e.inputs)
+        if any(isinstance(a, Var) and a not in known for a in inputs):
+            return None
+        eqns.append(dataclasses.replace(e, inputs=inputs))
+        known.update(e.outputs)
+    extra = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in graph.outputs[n_out:])
+    if any(isinstance(a, Var) and a not in known for a in extra):
+        return None
+    return derived.replace(
+        inputs=derived.inputs + graph.inputs[n_in:],
+        input_roles=derived.input_roles + graph.input_roles[n_in:],
+        eqns=derived.eqns + tuple(eqns), outputs=derived.outputs + extra,
+        output_roles=derived.output_roles + graph.output_roles[n_out:],
+        in_tree=graph.in_tree, out_tree=graph.out_tree)
 
 
 def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:

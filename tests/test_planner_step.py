@@ -1,0 +1,67 @@
+"""`jg.remat(go, budget=...)` on a step graph that already holds the optimizer update plans the
+whole step (DESIGN: a budget is the compiled donated training step's): the update, appended to
+what `jg.backward` returned, rides along in every loop mode the planner tries, so a scanned model
+gets its scan modes (a checkpointed body, split scans, keep-every-k) there too."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jgraph as jg
+from jgraph.planner.search import problems, xla_temp
+
+LAYERS, WIDTH, BATCH = 8, 64, 512
+
+
+def loss(ws, x):
+    h, _ = jax.lax.scan(lambda h, p: (h + jnp.tanh(h @ p["w1"]) @ p["w2"], None), x, ws)
+    return jnp.mean(h**2)
+
+
+def setup():
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    ws = {"w1": jax.random.normal(k1, (LAYERS, WIDTH, WIDTH)) * WIDTH**-0.5,
+          "w2": jax.random.normal(k2, (LAYERS, WIDTH, WIDTH)) * WIDTH**-0.5}
+    return ws, jax.random.normal(k3, (BATCH, WIDTH))
+
+
+def reference_step(tx, ws, x, state):
+    value, grads = jax.value_and_grad(loss)(ws, x)
+    updates, state = tx.update(grads, state, ws)
+    return value, optax.apply_updates(ws, updates), state
+
+
+def test_a_step_graph_gets_every_loop_mode():
+    ws, x = setup()
+    go = jg.optimizer_step(jg.backward(jg.trace(loss, ws, x, param_argnums=0)), optax.adam(1e-3))
+    modes = problems(go)
+    assert len(modes) > 1, list(modes)
+    for problem in modes.values():
+        jg.check(problem.graph)
+        assert problem.graph.output_roles == go.output_roles
+
+
+def test_a_budget_on_the_whole_step_is_met_and_the_step_is_unchanged():
+    ws, x = setup()
+    tx = optax.adam(1e-3)
+    go = jg.optimizer_step(jg.backward(jg.trace(loss, ws, x, param_argnums=0)), tx)
+    no_remat = xla_temp(go)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jg.BudgetWarning)
+        gr = jg.remat(go, budget="50%")
+    jg.check(gr)
+    assert gr.info["remat"]["plan"] != "no remat"
+    assert xla_temp(gr) <= no_remat // 2
+    state = tx.init(ws)
+    got = jg.compile(gr)(ws, x, state)
+    want = reference_step(tx, ws, x, state)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[-2:]), jax.tree.leaves(want[1:]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # bitwise equal to the unplanned step under the interpreter (DESIGN 4.2)
+    for a, b in zip(jax.tree.leaves(jg.evaluate(gr, ws, x, state)),
+                    jax.tree.leaves(jg.evaluate(go, ws, x, state)), strict=True):
+        np.testing.assert_array_equal(a, b)
