@@ -10,9 +10,11 @@ from jgraph import builder, config, ops, planner, policies, testing, vjp_rules
 from jgraph.backward import backward
 from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
+from jgraph.chunk import chunk_rows
 from jgraph.dot import to_dot
 from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad, vjp
 from jgraph.errors import BudgetWarning, GraphError, JGraphError, TraceError, TransformError
+from jgraph.fuse import fuse_updates
 from jgraph.interpreter import Interpreter, evaluate
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
 from jgraph.lower import compile
@@ -37,7 +39,7 @@ __all__ = [
     "TransformError", "BudgetWarning", "Var", "backward", "check", "compile", "evaluate", "trace",
     "testing", "to_jax", "config", "planner", "vjp_rules",
     "checkpoint", "checkpoint_name", "compiled_memory", "memory", "policies", "remat",
-    "to_dot",
+    "to_dot", "chunk_rows", "fuse_updates",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
     "first_micro_step",
     "value_and_grad", "grad", "vjp", "filter_value_and_grad", "filter_grad",

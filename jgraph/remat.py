@@ -11,19 +11,31 @@ there); this module sits above it, the planner and the backward pass it drives, 
 
 from __future__ import annotations
 
-from jgraph.backward import rederived
+import re
+import warnings
+
+from jgraph.backward import backward, rederived
 from jgraph.check import validate
-from jgraph.errors import TransformError
+from jgraph.chunk import chunk_rows
+from jgraph.errors import BudgetWarning, TransformError
+from jgraph.fuse import STATE_OF, fuse_updates
 from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
-from jgraph.regions import LOOPS, apply_regions, is_forward
+from jgraph.planner.search import forward_and_tail, with_tail
+from jgraph.planner.validate import xla_temp
+from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
+
+CHUNKS = 8  # the loss head's chunks of rows, when the planner tries them
 
 
-def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto") -> Graph:
+def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
+          chunks: int | None = CHUNKS) -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
     `budget=` (bytes of the compiled donated step's temp, or a percentage string such as "50%"
     of no remat's) plans regions itself instead, with `planner` "auto", "exact" or "fast"
-    (`jgraph.planner`)."""
+    (`jgraph.planner`), a step's updates fused where their gradients are made, and the loss
+    head over `chunks` chunks of rows as an option (`chunks=None`: never; the chunked head's
+    sums differ from the whole head's in their order, within 1e-6 normwise)."""
     validate(graph, "jg.remat")
     if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
@@ -31,9 +43,12 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto") -> G
     if budget is not None:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
-        return remat_under_budget(graph, budget, planner)
+        return _planned(graph, budget, planner, chunks)
     if planner != "auto":
         raise TransformError(f"remat(planner={planner!r}) chooses how a budget is planned: give "
+                             "budget= too")
+    if chunks != CHUNKS:
+        raise TransformError(f"remat(chunks={chunks!r}) is an option of a budget's plan: give "
                              "budget= too")
     if policy is not None and _loops(graph):
         graph = _with_policy_in_loops(graph, policy)
@@ -56,3 +71,99 @@ def _with_policy_in_loops(graph: Graph, policy) -> Graph:
             "policy applies inside loop bodies, which backward builds): apply remat right after "
             "backward, before other transforms")
     return again
+
+
+# -- below what recomputation reaches ------------------------------------------------------------
+def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
+    """The plan under `budget` over a plan space beyond recomputation: a step graph's updates
+    are fused where their gradients are made (`jg.fuse_updates`, in every graph the planner
+    measures), and the loss head of a graph `jg.backward` returned, run over chunks of rows
+    (`jg.chunk_rows`), is an option beside the graph as it is, tried when the graph as it is
+    needs a plan. Of the options that meet the budget the one recomputing least is returned
+    (then the smaller temp); when none does, the one reaching the least temp, with its warning
+    or error. `info["remat"]` says what was fused and chunked."""
+    finish = _fused if any(r in STATE_OF for r in graph.output_roles) else None
+    results = [_attempt(graph, budget, planner, finish)]
+    if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
+            and results[0][1] is None):
+        chunked = None if chunks is None else _chunked(graph, chunks)
+        if chunked is not None:  # a percentage stays a share of the graph as given
+            reference = xla_temp(without_regions(graph))
+            results.append(_attempt(chunked, budget, planner, finish, reference))
+    fitting = [r for r in results if r[0] is not None and r[1] is None]
+    if fitting:
+        return min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
+                                           r[0].info["remat"]["xla_temp"]))[0]
+    least = min(results, key=lambda r: r[3])
+    graph_, problem = least[:2]
+    if least is not results[0]:  # say which graph the figures are of
+        problem = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
+                                f"(jg.chunk_rows, chunks={chunks})")
+    if isinstance(problem, BudgetWarning):
+        warnings.warn(problem, stacklevel=3)
+        return graph_
+    raise problem
+
+
+def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None = None):
+    """(the planned graph or None, the BudgetWarning or TransformError it met or None, the
+    error when there is no graph, the least temp reached)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BudgetWarning)
+        try:
+            planned = remat_under_budget(graph, budget, planner, finish, reference)
+        except TransformError as e:
+            if "no plan fits" not in str(e):
+                raise
+            return None, e, e, _least_in(str(e))
+    warned = next((w.message for w in caught if issubclass(w.category, BudgetWarning)), None)
+    for w in caught:
+        if not issubclass(w.category, BudgetWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    report = planned.info["remat"]
+    if graph.info.get("chunk_rows", {}).get("regions"):
+        planned = planned.replace(info={**planned.info, "remat": {
+            **report, "chunked": graph.info["chunk_rows"]["regions"]}})
+    return planned, warned, None, report.get("xla_temp") or 0
+
+
+def _least_in(message: str) -> float:
+    """The least temp a planner error names (inf when it names none)."""
+    found = re.search(r"reaches is (\d+) bytes", message)
+    return int(found.group(1)) if found else float("inf")
+
+
+def _fused(graph: Graph) -> Graph:
+    """`graph` with its updates fused where its gradients are made, when XLA places that step in
+    less temp (a step returning its stacked gradients, or whose scans keep every k-th carry,
+    may not gain); `info["remat"]["fused"]` lists the params whose update moved."""
+    try:
+        fused = fuse_updates(graph)
+    except TransformError:
+        return graph
+    moved = [path for path, r in fused.info["fuse_updates"].items() if r.get("fused")]
+    if not moved or xla_temp(fused) >= xla_temp(graph):
+        return graph
+    return fused.replace(info={**fused.info, "remat": {**fused.info.get("remat", {}),
+                                                       "fused": moved}})
+
+
+def _chunked(graph: Graph, chunks: int) -> Graph | None:
+    """The graph `jg.backward` returned (and the update appended since, if any) with its loss
+    head over chunks of rows, or None when it has none worth chunking or was changed otherwise."""
+    forward, tail = forward_and_tail(graph)
+    if forward is None:
+        return None
+    try:
+        chunked = chunk_rows(graph if not tail else backward(forward), chunks=chunks)
+    except TransformError:
+        return None
+    if not chunked.info.get("chunk_rows", {}).get("regions"):
+        return None
+    if not tail:
+        return chunked
+    step = with_tail(chunked, graph, tail)
+    if step is None:
+        return None
+    info = {k: v for k, v in {**graph.info, **chunked.info}.items() if k != "backward_of"}
+    return step.replace(info=info)

@@ -33,7 +33,7 @@ LAYERS = [
     ["regions"],                   # the remat engine
     ["planner"],
     ["vjp_rules"],                 # rules registering into backward's tables
-    ["fuse", "chunk"],             # below the floor: updates where gradients are made; rows in chunks
+    ["fuse", "chunk"],             # below the floor: updates where gradients are made; rows chunked
     ["remat", "to_jax"],           # the public jg.remat, above the planner it drives
     ["dropin", "training", "testing"],
     ["__init__"],                  # the public names

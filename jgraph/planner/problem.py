@@ -23,6 +23,7 @@ class Problem:
     base: str
     planner: object = None  # the FastPlanner (or exact planner) set up for this problem
     base_cost: float = 0.0  # what the loop mode recomputes itself, inside loop bodies
+    finish: object = None  # Graph -> Graph applied to every graph a plan stands for (None: none)
 
     @classmethod
     def of(cls, graph: Graph, base: str = "loops as traced") -> Problem:
@@ -33,6 +34,11 @@ class Problem:
 
     def build(self, plan: Plan) -> Graph:
         if not plan.segments:
-            return self.graph
+            return self.finished()
         plan = dataclasses.replace(plan, keep=plan.keep | self.forward.constants)
-        return apply_regions(with_regions(self.graph, self.stage_eqns, plan))
+        return self.finished(apply_regions(with_regions(self.graph, self.stage_eqns, plan)))
+
+    def finished(self, graph: Graph | None = None) -> Graph:
+        """`graph` (the problem's own by default) as the step that runs: `finish` applied."""
+        graph = self.graph if graph is None else graph
+        return graph if self.finish is None else self.finish(graph)

@@ -60,19 +60,19 @@ def problems(graph: Graph) -> dict[str, Problem]:
     tail in every mode: the budget is the whole step's."""
     plain = without_regions(graph)
     found = {"loops as traced": Problem.of(plain)}
-    forward, tail = _forward_and_tail(graph)
+    forward, tail = forward_and_tail(graph)
     if forward is None or not loops.has_loops(forward):
         return found
     for mode, (rewritten, policy) in loops.modes(forward).items():
         if mode != "loops as traced":
             derived = without_regions(backward(rewritten, loop_policy=policy))
-            derived = _with_tail(derived, graph, tail) if tail else derived
+            derived = with_tail(derived, graph, tail) if tail else derived
             if derived is not None:
                 found[mode] = Problem.of(derived.replace(info=plain.info), mode)
     return found
 
 
-def _forward_and_tail(graph: Graph):
+def forward_and_tail(graph: Graph):
     """(the forward `backward` derived `graph` from, the eqns appended since: an optimizer
     update, ...), or (None, ()) when `graph` was changed otherwise."""
     forward = forward_of(graph)
@@ -89,7 +89,7 @@ def _forward_and_tail(graph: Graph):
     return original, tail
 
 
-def _with_tail(derived: Graph, graph: Graph, tail) -> Graph | None:
+def with_tail(derived: Graph, graph: Graph, tail) -> Graph | None:
     """`derived` (a joint graph derived again) with `graph`'s tail appended, reading
     `derived`'s inputs and outputs where the tail read `graph`'s at the same positions; None
     when the tail reads anything else of `graph`'s joint part."""
@@ -119,30 +119,41 @@ def _with_tail(derived: Graph, graph: Graph, tail) -> Graph | None:
         in_tree=graph.in_tree, out_tree=graph.out_tree)
 
 
-def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
-    """See the module docstring."""
+def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
+                       reference: int | None = None) -> Graph:
+    """See the module docstring. `finish` (Graph -> Graph, such as `jg.fuse_updates`) is
+    applied to every graph a plan stands for, before XLA measures it: the plan space is that of
+    the finished steps, and the graph returned is finished. `reference`: the no-remat temp a
+    percentage budget is a share of, when `graph` is a rewrite of the graph the user gave (its
+    loss head in chunks); `graph`'s own by default."""
     started, validate.seconds = time.perf_counter(), 0.0
     if planner not in PLANNERS:
         raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
     kind, amount = parse_budget(budget)
     plain = without_regions(graph)
+    done = plain if finish is None else finish(plain)
     if kind == "fraction" and amount >= 1:  # all of no remat's temp: no remat, uncompiled
-        return _reported(plain, {"planner": planner, "budget_given": budget}, "no remat",
-                         memory(plain).peak_bytes, None, 0, 0.0, started)
-    no_remat = xla_temp(plain)
+        return _reported(done, {"planner": planner, "budget_given": budget}, "no remat",
+                         memory(done).peak_bytes, None, 0, 0.0, started)
+    no_remat = xla_temp(plain) if reference is None else reference
     target = int(amount) if kind == "bytes" else int(amount * no_remat)
     report = {"planner": planner, "budget": target, "budget_given": budget,
               "no_remat_temp": no_remat}
-    if no_remat <= target:
-        return _reported(plain, report, "no remat", memory(plain).peak_bytes, no_remat, 0, 0.0,
+    finished = no_remat if done is plain and reference is None else xla_temp(done)
+    if finished != no_remat:
+        report["finished_temp"] = finished
+    if finished <= target:
+        return _reported(done, report, "no remat", memory(done).peak_bytes, finished, 0, 0.0,
                          started)
     by_mode = problems(graph)
+    for problem in by_mode.values():
+        problem.finish = finish
     used = _used(planner, by_mode)
-    estimates = {m: memory(p.graph).peak_bytes for m, p in by_mode.items()}
+    estimates = {m: memory(p.finished()).peak_bytes for m, p in by_mode.items()}
     # What XLA allocates beyond the estimate in a mode, whatever the plan (a scan's stacked
     # gradients, layout copies): the model's target is the budget less that. Measured on the
     # mode's graph when a plan of that mode is first chosen; until then, no remat's.
-    offset = {m: None for m in by_mode} | {"loops as traced": no_remat - estimates[
+    offset = {m: None for m in by_mode} | {"loops as traced": finished - estimates[
         "loops as traced"]}
     room = {}
     for mode, problem in by_mode.items():
@@ -158,7 +169,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
             break
         plan, candidate, estimate = found
         if offset[plan.base] is None:  # calibrate this mode, then plan again
-            offset[plan.base] = xla_temp(by_mode[plan.base].graph) - estimates[plan.base]
+            offset[plan.base] = xla_temp(by_mode[plan.base].finished()) - estimates[plan.base]
             continue
         key = plan.describe()
         if key not in tried:
@@ -187,9 +198,9 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto") -> Graph:
             (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
         fitting = [s for s in smallest if s[2] <= target]
         if not fitting and kind == "fraction":
-            return _least(plain, smallest, report | {"used": used}, budget, tried, started)
+            return _least(done, smallest, report | {"used": used}, budget, tried, started)
         if not fitting:
-            raise _unreachable(target, no_remat, tried)
+            raise _unreachable(target, no_remat, tried, report.get("finished_temp"))
         plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
         estimate = memory(candidate).peak_bytes
     if used == "exact" and not plan.label.startswith(HAND):
@@ -326,9 +337,10 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
     memory a device has) and is an error instead; a percentage is a share of this graph's own
     temp, which on a small graph (parameters and gradients alone) nothing lowers."""
     no_remat = report["no_remat_temp"]
-    plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, no_remat))
-    if temp >= no_remat:
-        plan, candidate, temp = None, plain, no_remat
+    unplanned = report.get("finished_temp", no_remat)  # `plain` as it runs (finished)
+    plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, unplanned))
+    if temp >= unplanned:
+        plan, candidate, temp = None, plain, unplanned
     how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
     warnings.warn(
         f"remat(budget={budget!r}): no plan reaches {report['budget']} bytes; returning the "
@@ -339,10 +351,13 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
                      0.0 if plan is None else recompute_flops(candidate), started)
 
 
-def _unreachable(target: int, no_remat: int, tried: dict) -> TransformError:
-    """The error for a budget no plan meets: the smallest temp a plan reaches, and how."""
-    if not tried:
-        how = f"{no_remat} bytes, without remat"
+def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None = None
+                 ) -> TransformError:
+    """The error for a budget no plan meets: the smallest temp a plan reaches, and how
+    (`unplanned`: the temp of the graph as it runs without a plan, when it is finished)."""
+    unplanned = no_remat if unplanned is None else unplanned
+    if not tried or min(tried.values()) >= unplanned:
+        how = f"{unplanned} bytes, without remat"
     else:
         key = min(tried, key=tried.get)
         how = f"{tried[key]} bytes, with the plan: {key}"

@@ -37,8 +37,9 @@ def grad_step(bwd: Graph, remat, accumulate) -> Graph:
         warnings.simplefilter("always", BudgetWarning)
         on_step = apply_remat(accumulate(bwd), remat)
         report = on_step.info["remat"]
-        if report.get("xla_temp") is None or report["plan"] == "no remat":
-            return _warned(on_step, caught)  # nothing to plan, or nothing lowers the temp
+        if report.get("xla_temp") is None or (report["plan"] == "no remat"
+                                               and not report.get("unmet")):
+            return _warned(on_step, caught)  # nothing to plan, or no remat fits
         try:
             before = accumulate(apply_remat(bwd, remat))
         except TransformError:

@@ -1,0 +1,114 @@
+"""Emitting a region on a chunk of rows, and moving rows in and out of chunks (`jg.chunk_rows`).
+
+A region's eqns are emitted again on a chunk, each with the params its row rule gives for the
+chunk's row shape (`jgraph.chunk.rows`), into a scan body; the row inputs are cut into chunks
+along one row axis before the scan, the ys put back after it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jgraph.builder import Builder
+from jgraph.chunk.find import Head
+from jgraph.chunk.rows import row_params
+from jgraph.errors import TransformError
+from jgraph.ir import Eqn, Graph, Var, short_aval, while_processing
+
+
+def split_rows(rows, chunks: int) -> tuple[int, int, int, int]:
+    """(row axis to split, rows per chunk, full chunks, rows left for one more chunk): an axis
+    the chunks divide if any, else one with at least `chunks` rows, else the longest."""
+    def fit(a):
+        return (rows[a] % chunks == 0 and rows[a] >= chunks, rows[a] >= chunks, -a)
+
+    axis = max(range(len(rows)), key=lambda a: (fit(a), rows[a]))
+    count = min(chunks, rows[axis])
+    size = -(-rows[axis] // count)
+    n = rows[axis] // size
+    return axis, size, n, rows[axis] - n * size
+
+
+def chunk_shape(rows, axis: int, size: int) -> tuple[int, ...]:
+    """`rows` with `size` rows along `axis`."""
+    return tuple(size if a == axis else r for a, r in enumerate(rows))
+
+
+def emit_on_chunk(b: Builder, head: Head, rows, env: dict) -> None:
+    """Emit `head`'s eqns on a chunk of `rows` into `b`; `env` maps the region's inputs to the
+    chunk's atoms and gets its values. The row sums (`head.sums`) keep their params."""
+    k = head.k
+    for eqn in head.eqns:
+        b.source = eqn.source
+        with while_processing("chunking", eqn, error=TransformError):
+            whole = eqn in head.sums and head.sums_reduce  # a row sum: params unchanged
+            params = eqn.params if whole else row_params(eqn, head.flags[eqn], k, rows)
+            outs = b.bind(eqn.op, *(env.get(a, a) if type(a) is Var else a for a in eqn.inputs),
+                          **params)
+        for v, new in zip(eqn.outputs, outs, strict=True):
+            expect = v.aval.shape if whole else rows + v.aval.shape[k:]
+            if tuple(new.aval.shape) != tuple(expect):  # a row rule that does not fit its op
+                raise TransformError(f"chunk_rows: `{eqn.op}` on a chunk gives "
+                                     f"{short_aval(new.aval)}, expected {expect}")
+            env[v] = new
+
+
+def emit_scan(b: Builder, body: Graph, consts, carry, xs, length: int, final=None):
+    """Emit the scan; `final` (vars) name the first carries it returns (the row sums)."""
+    avals = [a.aval for a in body.outputs]
+    nk = len(carry)
+    outs = [Var(a) for a in avals[:nk]] + [Var(a.update(shape=(length, *a.shape)))
+                                            for a in avals[nk:]]
+    if final is not None:
+        outs[:len(final)] = final
+    params = {"body": body, "length": length, "reverse": False, "num_consts": len(consts),
+              "num_carry": nk, "unroll": 1}
+    b.eqns.append(Eqn("scan", tuple(consts) + tuple(carry) + tuple(xs), params, tuple(outs),
+                      b.tags))
+    return outs[:nk], outs[nk:]
+
+
+# -- accumulating over chunks (emitted with `Builder.call`) --------------------------------------
+def accumulated(dtype):
+    """The dtype sums over chunks are carried in: float32 for 16-bit floats (as XLA accumulates
+    a dot or a reduction), else the value's own."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def zeros(*, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def accumulate(acc, x):
+    return acc + x.astype(acc.dtype)
+
+
+def cast(x, *, dtype):
+    return x.astype(dtype)
+
+
+# -- moving rows in and out of chunks (emitted with `Builder.call`) ------------------------------
+def to_chunks(u, *, axis, n, size):
+    """(..., n*size [+ rest], ...) -> (n, ..., size, ...): the full chunks along `axis`."""
+    u = lax.slice_in_dim(u, 0, n * size, axis=axis)
+    u = u.reshape(u.shape[:axis] + (n, size) + u.shape[axis + 1:])
+    return jnp.moveaxis(u, axis, 0)
+
+
+def from_chunks(y, *, axis):
+    """(n, ..., size, ...) -> (..., n*size, ...)."""
+    y = jnp.moveaxis(y, 0, axis)
+    return y.reshape(y.shape[:axis] + (y.shape[axis] * y.shape[axis + 1],) + y.shape[axis + 2:])
+
+
+def rest_chunk(u, *, axis, start):
+    """The rows from `start` on along `axis`, as one chunk (a leading axis of 1)."""
+    return lax.slice_in_dim(u, start, u.shape[axis], axis=axis)[None]
+
+
+def join_chunks(y, more, *, axis):
+    return jnp.concatenate([from_chunks(y, axis=axis), more[0]], axis=axis)
