@@ -1,12 +1,17 @@
-"""Fusion cuts (`jgraph.lower.fusion_cuts`): the step time with them against the same lowering
-without them (`jgraph.lower.FUSION_CUTS = False`), in one process, interleaved, medians.
+"""Fusion cuts (`jgraph.lower.fusion_cuts`): jgraph's step against JAX's, with the cuts and
+without them (`jgraph.lower.FUSION_CUTS = False`), in one process.
 
 Rows: the donated no-remat step of the planner's and remat benchmarks' models (a 6-layer
-transformer LM, a 16-block residual MLP, a 32-layer tanh chain, a 64-layer scanned MLP) and of the
-backward benchmark's transformer block and MLP, with the number of cuts and both compiled temps;
-and the transformer LM's Optimizer step (period 1, adam) on a 2-device mesh (the whole
-micro-batch partitioned by XLA, in a child process with 2 host devices), where each cut's
-predicate is one scalar all-reduce: the note counts them.
+transformer LM, a 16-block residual MLP, a 32-layer tanh chain, a 64-layer scanned MLP), of the
+backward benchmark's transformer block and MLP, of an 8-layer gelu MLP (width 512, batch 256) and
+of 8-layer tanh, gelu and relu MLPs of widths 128 to 2048 (batch 256), against JAX's donated
+`value_and_grad` + SGD step of the same function. Each ratio is the median over 5 runs of
+interleaved medians (jgraph with cuts, jgraph without, JAX, in turn), with the spread of the
+5; the note gives the ratio without cuts, the number of cuts and conditionals, and both compiled
+temps. Bar: <= 1.02 everywhere, the transformer LM <= 0.80. Last row: the transformer LM's
+Optimizer step (period 1, adam) on a 2-device mesh (the whole micro-batch partitioned by XLA, in
+a child process with 2 host devices), with cuts against without, where each cut's predicate is
+one scalar all-reduce: the note counts them.
 
     python -m benchmarks.bench_cuts [--quick]
 """
@@ -16,11 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 import jgraph as jg
 import jgraph.lower as lowering
@@ -30,6 +38,22 @@ MIB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def mlp(activation):
+    """`activation(h @ w + b)` layers and a mean-square head (bench_backward's MLP is tanh)."""
+
+    def loss(params, x):
+        h = x
+        for w, b in params[:-1]:
+            h = activation(h @ w + b)
+        w, b = params[-1]
+        return jnp.mean((h @ w + b) ** 2)
+
+    return loss
+
+
+ACTIVATIONS = {"tanh": jnp.tanh, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
+
+
 def models(quick: bool) -> dict:
     from benchmarks import bench_backward as bb
     from benchmarks import bench_planner as bp
@@ -37,18 +61,21 @@ def models(quick: bool) -> dict:
 
     found = {"transformer6": (bp.transformer(), bp.transformer_args()),
              "transformer block": (bb.transformer_block, bb._block_args(8, 128, 256, 4)),
-             "MLP": (bb.mlp, bb._mlp_args(512, 8, 256))}
+             "MLP": (bb.mlp, bb._mlp_args(512, 8, 256)),
+             "gelu MLP 512": (mlp(jax.nn.gelu), bb._mlp_args(512, 8, 256))}
     if not quick:
         found |= {"resmlp16": (br.blocks(), br.block_args()),
                   "chain32": (br.chain(), br.chain_args()),
                   "scan64": (bp.scanned(), bp.scanned_args())}
+        found |= {f"{name} MLP {width}": (mlp(f), bb._mlp_args(width, 8, 256))
+                  for name, f in ACTIVATIONS.items() for width in (128, 2048)}
     return found
 
 
 def stepper(graph, args, cuts: bool):
     """(a Stepper of the donated step lowered with or without cuts, its compiled temp, the
-    conditionals in its HLO). The step runs once here, so that it is traced while the switch
-    holds."""
+    conditionals and the instructions in its HLO). The step runs once here, so that it is traced
+    while the switch holds."""
     from benchmarks.bench_remat import Stepper
     from jgraph.memory import donated_step
 
@@ -61,22 +88,55 @@ def stepper(graph, args, cuts: bool):
         jax.block_until_ready(run())
     finally:
         lowering.FUSION_CUTS = True
-    return run, compiled.memory_analysis().temp_size_in_bytes, compiled.as_text().count(
-        " conditional(")
+    text = compiled.as_text()
+    return run, compiled.memory_analysis().temp_size_in_bytes, text.count(" conditional("), \
+        hlo_ops(text)
 
 
-def model_rows(quick: bool) -> list[dict]:
+def hlo_ops(text: str) -> int:
+    """Instructions in an optimized HLO text (equal counts: XLA got the same program)."""
+    return len(re.findall(r"^\s*(?:ROOT )?\S+ = ", text, flags=re.M))
+
+
+def jax_stepper(fn, args):
+    """JAX's donated `value_and_grad` + SGD step (as `donated_step` builds jgraph's)."""
+    from benchmarks.bench_remat import Stepper, jax_step
+
+    params, x = args
+    step = jax_step(fn)
+    ops = hlo_ops(step.lower(params, x).compile().as_text())
+    run = Stepper(step, params, x)
+    jax.block_until_ready(run())
+    return run, ops
+
+
+def model_rows(quick: bool, runs: int = 5) -> list[dict]:
     out = []
     for name, (fn, args) in models(quick).items():
         gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
-        (plain, plain_temp, _), (cut, cut_temp, conds) = (stepper(gb, args, c)
-                                                         for c in (False, True))
-        times = interleaved_medians({"plain": plain, "cut": cut}, repeats=5 if quick else 9)
-        out.append({"benchmark": f"fusion cuts, {name}: step time with / without",
-                    "jgraph": times["cut"], "reference": times["plain"],
-                    "ratio": times["cut"] / times["plain"],
-                    "note": f"{len(lowering.fusion_cuts(gb))} cuts ({conds} conditionals); temp "
-                            f"{cut_temp / MIB:.1f} vs {plain_temp / MIB:.1f} MiB"})
+        (plain, plain_temp, _, _), (cut, cut_temp, conds, ops) = (stepper(gb, args, c)
+                                                                   for c in (False, True))
+        reference, reference_ops = jax_stepper(fn, args)
+        steps = {"jax": reference, "cut": cut, "plain": plain}
+        ratios: dict[str, list[float]] = {"cut": [], "plain": []}
+        seconds: dict[str, list[float]] = {"jax": [], "cut": []}
+        once = interleaved_medians(steps, repeats=1)["jax"]  # about 1 s of each step per run
+        repeats = 3 if quick else min(50, max(7, round(1.0 / once)))
+        for _ in range(runs):
+            times = interleaved_medians(steps, repeats=repeats)
+            for k in seconds:
+                seconds[k].append(times[k])
+            for k in ratios:
+                ratios[k].append(times[k] / times["jax"])
+        cut_ratio, plain_ratio = (statistics.median(ratios[k]) for k in ("cut", "plain"))
+        out.append({"benchmark": f"fusion cuts, {name}: step vs JAX's",
+                    "jgraph": f"{statistics.median(seconds['cut']) * 1e3:.2f} ms",
+                    "reference": f"{statistics.median(seconds['jax']) * 1e3:.2f} ms",
+                    "ratio": cut_ratio,
+                    "note": f"spread {min(ratios['cut']):.3f}-{max(ratios['cut']):.3f}; "
+                            f"no cuts {plain_ratio:.3f}; {len(lowering.fusion_cuts(gb))} cuts "
+                            f"({conds} conditionals); HLO ops {ops} vs JAX's {reference_ops}; "
+                            f"temp {cut_temp / MIB:.1f} vs {plain_temp / MIB:.1f} MiB"})
     return out
 
 

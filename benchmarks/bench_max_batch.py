@@ -22,7 +22,8 @@ two compiles place it, a few more confirm it (the largest fitting batch, the nex
 
 Models: `scanlm-4096`, `scanlm-32768` (the 8-layer transformer LM of `bench_planner`, d 256,
 seq 128, 4 heads, layers in a `lax.scan`) and their unrolled twins `lm-4096`, `lm-32768`.
-`--quick`: only batches, no timing, and jgraph's search stops at JAX's best.
+`--quick`: only batches, no timing; JAX's arrangements with barriers kept only (no remat with
+both), `dots_with_no_batch_dims` left out.
 """
 
 from __future__ import annotations
@@ -158,8 +159,11 @@ def run_model(name: str, quick: bool) -> dict:
     plain, params, hand, vocab = model(name)
     cap = jax_temp(plain, params, BASE_BATCH)
     found = {"cap": cap, "jax": {}, "name": name}
+    flag_sets = (("XLA defaults", None), ("barriers kept", KEEP_BARRIERS))
     for label, fn in hand.items():
-        for flags, options in (("XLA defaults", None), ("barriers kept", KEEP_BARRIERS)):
+        if quick and "dots_with_no_batch_dims" in label:
+            continue
+        for flags, options in flag_sets[1:] if quick and label != "no remat" else flag_sets:
             def temp_of(b, fn=fn, options=options):
                 return jax_temp(fn, params, b, options)
             best = largest_batch(lambda b, t=temp_of: t(b) <= cap, temp_of=temp_of, cap=cap)
@@ -178,7 +182,7 @@ def run_model(name: str, quick: bool) -> dict:
         return g is not None
 
     low = max(1, found["jax_best"][1])
-    found["jgraph"] = largest_batch(fits, low=low, limit=low if quick else MAX_BATCH)
+    found["jgraph"] = largest_batch(fits, low=low)
     if not quick and found["jgraph"] > 0:
         found["time"] = time_per_example(hand, best_label, params, graphs[found["jgraph"]],
                                          found["jax_best"][1], found["jgraph"], vocab)

@@ -24,14 +24,19 @@ user's own jit and under vmap (tests count the recomputed dots in the compiled H
 
 Fusion cuts. XLA:CPU fuses a cheap elementwise producer into every reader, duplicating it, and
 does so transitively. In a backward, the cotangent of a residual stream is a chain of such adds
-over every layer, read by several transposing fusions (the operands of weight-gradient dots): each
-of them recomputes the whole chain, with strided reads (a 6-layer transformer's step spends half
-its time there, in jgraph and in JAX alike). So on CPU the lowering materialises each backward
-value that a cheap op writes at the end of a chain of at least `CUT_MIN_OPS` cheap ops, that two
-or more readers read, and that is at least `CUT_MIN_BYTES` (`fusion_cuts`): it passes through
-`lax.cond(c < -|c|, zeros, identity)`, with `c` its own first element, which is the identity bit
-for bit (see above) and which XLA cannot fuse into. Other platforms fuse by cost and get the
-value as it is (`lax.platform_dependent`). `jg.memory` counts the cut values as buffers.
+over every layer, read by several loop fusions and by the transposed copies XLA makes of
+weight-gradient dot operands: each of them recomputes the whole chain, with strided reads (a
+6-layer transformer's step spends half its time there, in jgraph and in JAX alike). So on CPU
+the lowering materialises a backward value where that pays (`fusion_cuts`: the chain's work times
+the fusions that would recompute it, against a buffer and the cut itself), not where its readers
+are dots and reductions that read a buffer XLA writes anyway (an MLP's backward). A cut passes
+the value through `lax.cond(c < -|c|, zeros, identity)`, with `c` its own first element, which is
+the identity bit for bit (see above) and which XLA cannot fuse into: a conditional is a kernel
+boundary that no XLA pass removes. (An `optimization_barrier` is deleted before fusion on CPU; a
+division by a runtime one is rewritten as a multiply by its reciprocal, which fuses; a `while`
+of one trip whose body passes the value on is simplified away: of what stays, the conditional
+costs least.) Other platforms fuse by cost and get the value as it is (`lax.platform_dependent`).
+`jg.memory` counts the cut values as buffers.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from jax import lax
 from jgraph import opkinds
 from jgraph.check import validate
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
-from jgraph.ir import Graph, Var, is_float
+from jgraph.ir import Eqn, Graph, Var, is_float
 
 
 def _taintable(aval) -> bool:
@@ -88,34 +93,152 @@ def protection_plan(graph: Graph):
     return plan, anchors
 
 
-CUT_MIN_BYTES = 1 << 16  # a duplicated chain of smaller values costs less than a buffer
-CUT_MIN_OPS = 8  # a shorter chain recomputed in each reader costs less than a buffer
+CUT_MIN_BYTES = 1 << 16  # below this a cut's fixed cost (a conditional thunk) outweighs any gain
+# The cost rule (`fusion_cuts`), per element of the value, in units of one cheap elementwise op:
+EXPENSIVE_OP = 4  # a fused transcendental or divide costs about four cheap ops
+BUFFER = 2  # writing a value that XLA would not otherwise materialise, and reading it back
+CUT = 2  # the conditional around a cut: it moves the value once more (read and write)
+FUSIONS_SEEN = 64  # more reading fusions than this all count as this many (bounds the sets)
 FUSION_CUTS = True  # False: lower (and model memory) without cuts, to compare (bench_cuts)
 
 
 def fusion_cuts(graph: Graph) -> set[Var]:
-    """The backward values the lowering materialises on CPU (module docstring): real floats of at
-    least `CUT_MIN_BYTES`, read by two or more eqns of `graph`, and written by a `cheap` op at the
-    end of a chain of at least `CUT_MIN_OPS` cheap ops that XLA:CPU would fuse into each of those
-    readers (a cut ends a chain). Sub-graphs have their own."""
+    """The backward values the lowering materialises on CPU (module docstring): a value written
+    by a cheap op, of at least `CUT_MIN_BYTES`, where
+
+        chain x (fusions - 1)  >  CUT + (BUFFER unless XLA materialises it anyway)
+
+    `chain` is the work XLA fuses into the value (cheap ops 1, expensive ones `EXPENSIVE_OP`,
+    back to the nearest buffers and cuts), `fusions` the number of XLA fusions that would each
+    compute it (`reading_fusions`): every fusion but one recomputes the chain; the cut computes
+    it once, at the price of the conditional and, unless a dot or another kernel that reads
+    buffers already makes XLA write it, of a buffer. A value is a candidate only where the
+    fusions part (no single reader leads to all of them): a cut at the end of a chain that the
+    same fusions read saves what a cut anywhere before it would, and more. Cuts are decided in
+    schedule order (a cut resets the chains after it), with the fusions counted as if no value
+    were cut, then once more with the fusions counted around the cuts found (a cut downstream
+    leaves fewer fusions to recompute a value upstream), so that only cuts that still pay stay.
+    Sub-graphs have their own."""
     if not FUSION_CUTS:
         return set()
-    readers: dict[Var, int] = {}
-    for eqn in graph.eqns:
-        for a in {a for a in eqn.inputs if isinstance(a, Var)}:
-            readers[a] = readers.get(a, 0) + 1
-    chain: dict[Var, int] = {}  # the cheap ops a fusion reading the value recomputes
+    cuts = _decide(graph, *reading_fusions(graph, set()))
+    return _decide(graph, *reading_fusions(graph, cuts)) if cuts else cuts
+
+
+def _decide(graph: Graph, fusions: dict, fans_out: set) -> set[Var]:
+    """The cuts the rule of `fusion_cuts` makes, given each value's reading fusions."""
+    chain: dict[Var, float] = {}  # the work of a value's fusion, in cheap ops per element
     cuts = set()
     for eqn in graph.eqns:
-        if len(eqn.outputs) != 1 or opkinds.kind(eqn) != "cheap":
+        kind = opkinds.kind(eqn)
+        if len(eqn.outputs) != 1 or kind not in ("cheap", "expensive", "alias"):
             continue
         out = eqn.outputs[0]
-        chain[out] = 1 + sum(chain.get(a, 0) for a in eqn.inputs if isinstance(a, Var))
-        if "backward" in eqn.tags and chain[out] >= CUT_MIN_OPS and readers.get(out, 0) >= 2 \
-                and _cuttable(out.aval):
+        upstream = sum(chain.get(a, 0) for a in eqn.inputs if isinstance(a, Var))
+        if kind == "alias":
+            chain[out] = upstream
+            continue
+        chain[out] = (1 if kind == "cheap" else EXPENSIVE_OP) + upstream
+        found = fusions.get(out, ())
+        if found == {out}:
+            chain[out] = 0  # materialised once: every reader reads the buffer
+        if len(found) <= 1:
+            continue
+        cost = CUT + (0 if out in found else BUFFER)
+        if (
+            kind == "cheap"
+            and "backward" in eqn.tags
+            and out in fans_out
+            and _cuttable(out.aval)
+            and chain[out] * (len(found) - 1) > cost
+        ):
             cuts.add(out)
             chain[out] = 0
     return cuts
+
+
+def reading_fusions(graph: Graph, cuts: set[Var]) -> tuple[dict[Var, frozenset], set[Var]]:
+    """For each value an elementwise op writes: the XLA:CPU fusions that would compute it (after
+    `opkinds`), each named by what it writes. A reader that fuses the value (a loop fusion, a
+    YNNPACK reduction of a value nothing else reads) computes it in the fusion that writes the
+    reader's own result, or, where XLA duplicates that result into its readers in turn, in each
+    of theirs; a reader that reads buffers (a dot, a loop, an opaque op), a graph output and a
+    cut make XLA write the value itself. A value XLA does not duplicate (an expensive op; one
+    that reads more than it writes, when it is written anyway) is written once, and its readers
+    read that; but a dot's transposed copy of its operand (`_transposed_copy`) recomputes the
+    value whatever it is, with strided reads. Also returns the values where the fusions part:
+    those no single reader passes all of them on from (the last value of a chain that one
+    fusion reads is where a cut saves the most)."""
+    readers: dict[Var, list] = {}
+    producer = {}
+    for eqn in graph.eqns:
+        for k, a in enumerate(eqn.inputs):
+            if isinstance(a, Var):
+                readers.setdefault(a, []).append((eqn, k))
+        for v in eqn.outputs:
+            producer[v] = eqn
+    outputs = {a for a in graph.outputs if isinstance(a, Var)}
+
+    def broadcast(a):
+        return a in producer and producer[a].op in ("broadcast_in_dim", "iota")
+
+    fusions: dict[Var, frozenset] = {}
+    fans_out = set()
+    for eqn in reversed(graph.eqns):
+        kind = opkinds.kind(eqn)
+        if len(eqn.outputs) != 1 or kind not in ("cheap", "expensive", "alias"):
+            continue
+        out = eqn.outputs[0]
+        found, copies, written, branches = set(), set(), out in outputs, []
+        for reader, k in readers.get(out, ()):
+            into = _fuses(reader, k, eqn, readers[out])
+            if into is None:
+                written = True
+            elif isinstance(into, tuple):
+                copies.add(into)
+            else:
+                branches.append({into} if into in cuts else fusions.get(into, {into}))
+                found |= branches[-1]
+        duplicable = kind in ("cheap", "alias") or opkinds.always_duplicated(eqn)
+        if (not duplicable and len(found) > 1) or (written and opkinds.shrinks(eqn, broadcast)):
+            found, branches = set(), []
+            written = True
+        found = frozenset(list(found | copies | ({out} if written else set()))[:FUSIONS_SEEN])
+        fusions[out] = found
+        if all(b != found for b in branches):
+            fans_out.add(out)
+    return fusions, fans_out
+
+
+def _fuses(reader: Eqn, k: int, producer: Eqn, readers: list) -> Var | tuple | None:
+    """The value whose fusion computes the producer's result for `reader`'s input `k`, or
+    `(reader, k)` for a transposed copy of a dot operand (None: the reader reads a buffer)."""
+    kind = opkinds.kind(reader)
+    if len(reader.outputs) != 1:
+        return None
+    out = reader.outputs[0]
+    if kind in ("cheap", "alias") or (
+        kind in ("expensive", "reduce")
+        and not (opkinds.kind(producer) == "expensive" and opkinds.reuses(reader, k))
+    ):
+        return out
+    if kind == "dot" and k < 2 and _transposed_copy(reader, k):
+        return (reader, k)  # XLA's transposed copy of the operand: a fusion of its own
+    if kind == "library" and len(readers) == 1:
+        return out
+    return None
+
+
+def _transposed_copy(dot: Eqn, k: int) -> bool:
+    """Whether XLA:CPU copies operand `k` of a dot into another layout (`opkinds`), which it also
+    does where the dot contracts several leading dimensions of an operand of rank 3 or more (the
+    weight gradient of a layer applied over batch and sequence: XLA collapses them and
+    transposes an operand for its dot kernel)."""
+    (contracting, batch) = (d[k] for d in dot.params["dimension_numbers"])
+    rank = len(dot.inputs[k].aval.shape)
+    return opkinds.dot_operand_copies(dot)[k] or (
+        rank > 2 and not batch and len(contracting) > 1 and rank - 1 not in contracting
+    )
 
 
 def _cuttable(aval) -> bool:
