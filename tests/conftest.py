@@ -8,6 +8,7 @@ Hypothesis profiles: `ci` (small, the default) and `thorough` (`HYPOTHESIS_PROFI
 """
 
 import os
+import signal
 
 import jax
 import pytest
@@ -39,3 +40,13 @@ def _x64_scope(request):
     """x64 off (JAX's default) unless the test is marked `f64`; restored after every test."""
     with jax.enable_x64(request.node.get_closest_marker("f64") is not None):
         yield
+
+
+@pytest.fixture
+def sigint_handler():
+    """Python's default SIGINT handler in this process for the test, however pytest was started
+    (under `nohup` or in a background job SIGINT starts ignored, and a test that sends itself
+    Ctrl-C must not depend on that)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -50,14 +50,6 @@ def ignores_sigint(pid: int) -> bool:
 
 
 @pytest.fixture
-def sigint_handler():
-    """Python's default SIGINT handler in this process for the test, however pytest was started."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
-@pytest.fixture
 def sigint_ignored():
     """SIGINT ignored in this process for the test, as `nohup` or `cmd &` would start it."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)

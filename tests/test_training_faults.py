@@ -194,7 +194,7 @@ def sigint_at_epoch(n, times=1):
     return callback
 
 
-def test_ctrl_c_in_fit_returns_the_state_and_a_rerun_resumes_bitwise(tmp_path):
+def test_ctrl_c_in_fit_returns_the_state_and_a_rerun_resumes_bitwise(tmp_path, sigint_handler):
     want, want_history = jg.fit(model, P0, jg.Dataset(X, Y), epochs=4, **KW)
     path = tmp_path / "ckpt.jgs"
     with pytest.raises(KeyboardInterrupt, match="Ctrl-C in epoch 3 after 0 of 8") as info:
@@ -212,7 +212,7 @@ def test_ctrl_c_in_fit_returns_the_state_and_a_rerun_resumes_bitwise(tmp_path):
         jg.fit(model, P0, jg.Dataset(X, Y), epochs=3, checkpoint_path=path, **KW)
 
 
-def test_a_second_ctrl_c_aborts_at_once_and_writes_nothing(tmp_path):
+def test_a_second_ctrl_c_aborts_at_once_and_writes_nothing(tmp_path, sigint_handler):
     path = tmp_path / "ckpt.jgs"
     with pytest.raises(KeyboardInterrupt) as info:
         jg.fit(model, P0, jg.Dataset(X, Y), epochs=4, checkpoint_path=path,
