@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jgraph as jg
+from benchmarks.bench_cuts import mlp
 from benchmarks.bench_planner import transformer, transformer_args
 from jgraph.lower import CUT_MIN_BYTES, fusion_cuts, reading_fusions
 
@@ -49,17 +50,6 @@ def test_cuts_are_backward_values_several_fusions_read(joint):
         assert "backward" in producers[v].tags
         assert len(fusions[v]) >= 2
         assert v.aval.size * v.aval.dtype.itemsize >= CUT_MIN_BYTES
-
-
-def mlp(activation):
-    def loss(params, x):
-        h = x
-        for w, b in params[:-1]:
-            h = activation(h @ w + b)
-        w, b = params[-1]
-        return jnp.mean((h @ w + b) ** 2)
-
-    return loss
 
 
 def mlp_args(width=512, layers=8, batch=256):
