@@ -380,8 +380,13 @@ def kill_during_save(tmp_path, count: int, how: int, seed: int, minutes: float =
         proc = ctx.Process(target=children.save_forever, args=(str(path), nbytes, ready, saves))
         proc.start()
         try:
-            if not ready.wait(timeout=max(0.0, deadline - time.monotonic())):
-                pytest.fail(f"the saving child did not start within the test's deadline {tally}")
+            while not ready.wait(timeout=0.1):  # a child that dies first fails the test at once
+                if proc.exitcode is not None:
+                    pytest.fail(f"the saving child exited with {proc.exitcode} before it was "
+                                f"ready (its error is on stderr above) {tally}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the saving child did not start within the test's deadline "
+                                f"{tally}")
             time.sleep(rng.uniform(0.0, 0.05))
             if how == signal.SIGINT and ignores_sigint(proc.pid):
                 pytest.fail(f"the saving child ignores SIGINT {tally}")

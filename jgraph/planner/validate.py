@@ -3,11 +3,14 @@
 A budget is a number of bytes, or a string "NN%" (a fraction of the temp XLA allocates for the
 graph's donated training step without remat). `xla_temp(graph)` compiles that donated step
 (`jgraph.memory.donated_step`) from the graph's input avals, as `jax.ShapeDtypeStruct`s, so no
-example arguments are needed, and reads `temp_size_in_bytes`.
+example arguments are needed, and reads `temp_size_in_bytes`; a step whose HLO was compiled
+before in this process is not compiled again (the search, and a period's two orders, meet the
+same program under different graphs).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import re
@@ -72,10 +75,17 @@ def abstract_step_args(graph: Graph):
     return state, rest
 
 
+_TEMPS: dict[tuple, int] = {}  # (platform, HLO text's digest) -> temp bytes
+
+
 def xla_temp(graph: Graph) -> int:
     """`temp_size_in_bytes` of the compiled donated training step of `graph`."""
     step, _ = donated_step(graph)
     with warnings.catch_warnings():  # a measurement: which donations XLA uses is not news here
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        compiled = step.lower(*abstract_step_args(graph)).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+        lowered = step.lower(*abstract_step_args(graph))
+        key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).digest())
+        if key not in _TEMPS:
+            compiled = lowered.compile()
+            _TEMPS[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+    return _TEMPS[key]
