@@ -90,6 +90,58 @@ def test_the_chain_dp_reaches_the_binomial_optimum(steps, slots, flops_only):
     assert cost == fast.binomial_recompute(steps, slots) - (steps - 1)
 
 
+def scanned_dp(dp):
+    """The DP's recursions (module docstring of `fast`) as a plain scan over splits, in units:
+    {(s, t or "root", m): (cost, choice)}, the first cheapest split winning a tie."""
+    S, adv, inf = dp.S, dp.adv, math.inf
+
+    @functools.lru_cache(maxsize=None)
+    def opt(s, t, m):
+        if m < 0:
+            return inf, -1
+        if t == s + 1:
+            return (dp.leaf_cost[s] if m >= dp.leaf_need[s] else inf), -1
+        found = (inf, -1)
+        for u in range(s + 1, t):
+            cost = (adv[u] - adv[s]) + opt(u, t, m - dp.b[u - 1])[0] + opt(s, u, m)[0]
+            found = (cost, u) if cost < found[0] else found
+        return found
+
+    @functools.lru_cache(maxsize=None)
+    def root(s, m):
+        if m < 0 or s == S:
+            return (inf if m < 0 else 0.0), -1
+        held = dp.whole_held[s] + (dp.b[s] if s + 1 < S else 0)
+        kept = dp.whole_cost[s] + (dp.boundary_cost[s] if s + 1 < S else 0)
+        found = ((kept + root(s + 1, m - held)[0]) if m >= dp.whole_need[s] else inf), -1
+        for u in range(s + 1, S + 1):
+            cost = opt(s, S, m)[0] if u == S else (
+                dp.boundary_cost[u - 1] + root(u, m - dp.b[u - 1])[0] + opt(s, u, m)[0])
+            found = (cost, u) if cost < found[0] else found
+        return found
+
+    return opt, root
+
+
+def test_the_chain_dp_tables_are_a_scan_over_splits():
+    """The DP's tables, computed a whole span of segments at a time, hold what a scan over each
+    segment's splits finds, ties included (stages of unequal costs and sizes)."""
+    rng = np.random.default_rng(0)
+    stages = [_Stage(int(b)) for b in rng.choice([0, 64, 128, 512], 9)]
+    costs = [StageCost(advance=float(rng.choice([0.0, 1.0, 3.5])), leaf=float(rng.choice([0, 2])),
+                       leaf_peak=int(rng.integers(0, 20)) * 64, kept_bytes=int(rng.choice([0, 64])),
+                       whole_peak=int(rng.integers(0, 40)) * 64,
+                       whole_bytes=int(rng.integers(0, 20)) * 64) for _ in stages]
+    dp = fast.ChainDP(stages, costs, 4096)
+    opt, root = scanned_dp(dp)
+    for m in range(dp.K + 1):
+        assert (dp.root[0][m], dp.root_choice[0][m]) == root(0, m)
+        for s in range(dp.S):
+            for t in range(s + 2, dp.S + 1):
+                cost, u = opt(s, t, m)
+                assert dp.choice[s][t][m] == (u if math.isfinite(cost) else -1)
+
+
 @pytest.mark.parametrize("steps,slots", [(8, 2), (10, 3), (12, 2)])
 def test_the_milp_reaches_the_binomial_optimum(steps, slots, flops_only):
     stages, costs = uniform_chain(steps)

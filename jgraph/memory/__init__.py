@@ -10,9 +10,9 @@ XLA's sources and checked on compiled HLO and buffer assignments of jaxlib 0.10 
 """
 
 from jgraph.memory.compiled import CompiledMemory, compiled_memory, donated_step
-from jgraph.memory.report import MemoryReport, Residual, memory, saved_residuals
+from jgraph.memory.report import MemoryReport, Residual, memory, peak_bytes, saved_residuals
 from jgraph.memory.step import STATE_ROLES
 from jgraph.opkinds import itemsize, nbytes
 
 __all__ = ["CompiledMemory", "MemoryReport", "Residual", "STATE_ROLES", "compiled_memory",
-           "donated_step", "itemsize", "memory", "nbytes", "saved_residuals"]
+           "donated_step", "itemsize", "memory", "nbytes", "peak_bytes", "saved_residuals"]

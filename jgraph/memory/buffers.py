@@ -114,11 +114,14 @@ def _reuse_allocations(values, aliased, end) -> list[Value]:
     allocations = [allocations[i] for i in by_size]
     index = {a: i for i, a in enumerate(allocations)}
     sizes = np.array([a.size for a in allocations])
-    # occupied[i, t]: allocation i holds a value at step t (t = -1 .. end, shifted by one)
+    # occupied[i, t]: allocation i holds a value at step t (t = -1 .. end, shifted by one);
+    # held[i, t]: how many of the steps before t it is occupied (so a range is one difference)
     occupied = np.zeros((len(allocations), end + 2), bool)
     for i, a in enumerate(allocations):
         for start, stop, _ in a.spans:
             occupied[i, start + 1:stop + 2] = True
+    held = np.zeros((len(allocations), end + 3), np.uint16 if end + 3 < 2**16 else np.int64)
+    np.cumsum(occupied, axis=1, out=held[:, 1:])
     placed = []
     temps = sorted((v for v in values if v.kind == "temp"), key=lambda v: (-v.size, v.start))
     for t in temps:
@@ -126,19 +129,22 @@ def _reuse_allocations(values, aliased, end) -> list[Value]:
         chosen = next((a for a in first if a.fits(t)), None)
         if chosen is None:  # the smallest free over the temp's life (or whose next value is
             # written at its end by its last reader, in place; one ending at its start is the
-            # writer's operand, tried above)
-            inside = ~occupied[:, t.start + 1:t.end].any(axis=1) & (sizes >= t.size)
-            at_end = occupied[:, t.end + 1]
+            # writer's operand, tried above), of those from `low` on, large enough
+            low = int(np.searchsorted(sizes, t.size))
+            inside = held[low:, max(t.end, t.start + 1)] == held[low:, t.start + 1]
+            at_end = occupied[low:, t.end + 1]
             clear = np.flatnonzero(inside & ~at_end)
-            stop = clear[0] if len(clear) else len(allocations)
-            for i in np.flatnonzero(inside[:stop] & at_end[:stop]):
+            stop = low + clear[0] if len(clear) else len(allocations)
+            for i in low + np.flatnonzero(inside[:stop - low] & at_end[:stop - low]):
                 if allocations[i].fits(t):
                     stop = i
                     break
             chosen = allocations[stop] if stop < len(allocations) else None
         if chosen is not None:
             chosen.add(t)
-            occupied[index[chosen], t.start + 1:t.end + 2] = True
+            i = index[chosen]
+            occupied[i, t.start + 1:t.end + 2] = True
+            np.cumsum(occupied[i], out=held[i, 1:])
             home[t] = chosen
             t.home = chosen
             placed.append(t)

@@ -10,6 +10,8 @@ carries being the loop's state) and the loop's small buffers; a cond the largest
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 from jgraph import opkinds
@@ -28,9 +30,16 @@ class Estimate:
 
 
 def estimate(graph: Graph) -> Estimate:
-    workspace = _Workspace()
-    program = step_program(graph, workspace)
-    return _run(program)
+    # Kernels and values refer to each other: a large graph's estimate makes hundreds of
+    # thousands of young objects in cycles, which would make Python's cyclic collector sweep the
+    # whole heap again and again while it runs. It is paused; one young collection frees them.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(step_program(graph, _Workspace()))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _run(program: Program) -> Estimate:
@@ -38,6 +47,11 @@ def _run(program: Program) -> Estimate:
     order = bfs_order(program.kernels, arguments, program.results)
     placement = place(order, program.values, program.aliased, program.results)
     return Estimate(program, order, placement)
+
+
+# A loop body's peak, by body (graphs are immutable) and (consts, carries, scan): the graphs a
+# planner measures share their loops' bodies, which need measuring once.
+_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Workspace:
@@ -55,8 +69,11 @@ class _Workspace:
         return self.cache[key]
 
     def _body(self, body: Graph, n_consts: int, n_carry: int, scan: bool) -> int:
-        program = body_program(body, n_consts, n_carry, scan, self)
-        return _run(program).placement.peak + program.overhead
+        known = _BODIES.setdefault(body, {})
+        if (n_consts, n_carry, scan) not in known:
+            program = body_program(body, n_consts, n_carry, scan, self)
+            known[n_consts, n_carry, scan] = _run(program).placement.peak + program.overhead
+        return known[n_consts, n_carry, scan]
 
     def _loop(self, eqn: Eqn) -> int:
         p = eqn.params

@@ -149,10 +149,10 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if eqn.op in ("gather", "scatter-add", "scatter", "scatter_add") \
                 and opkinds.batched_indices(eqn):
             inputs = _batched_indices(ops, eqn, inputs)
-        copies = COPIES.get(eqn.op)
-        if copies is not None and any(copies(eqn)):
+        copies = COPIES[eqn.op](eqn) if eqn.op in COPIES else ()
+        if any(copies):
             inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
-                           for a, c in zip(inputs[:2], copies(eqn), strict=True)) + inputs[2:]
+                           for a, c in zip(inputs[:2], copies, strict=True)) + inputs[2:]
         outputs = eqn.outputs
         if outputs and outputs[0] in cuts:
             outputs = (Var(outputs[0].aval),)

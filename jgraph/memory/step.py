@@ -16,6 +16,7 @@ slices are written in place into the stacked outputs.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from jgraph import opkinds
@@ -151,10 +152,8 @@ def _insert_copies(program: Program, aliased) -> None:
 
 
 def _position(found: list[Kernel], order: float) -> int:
-    for i, k in enumerate(found):
-        if k.order > order:
-            return i
-    return len(found)
+    """Where a kernel of `order` goes: before the first of a later order (`found` is sorted)."""
+    return bisect.bisect_right(found, order, key=lambda k: k.order)
 
 
 # -- loop bodies -------------------------------------------------------------------------------

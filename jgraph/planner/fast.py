@@ -79,20 +79,24 @@ class ChainDP:
         self.leaf_need = [up(k + c.leaf_peak) for c, k in zip(costs, before, strict=True)]
         self.whole_need = [up(k + c.whole_peak) for c, k in zip(costs, before, strict=True)]
         self.whole_held = [max(up(c.whole_bytes - c.kept_bytes), 0) for c in costs]
-        adv = np.concatenate([[0.0], np.cumsum([c.advance for c in costs])])
-        self.advance = lambda s, u: adv[u] - adv[s]
-        self.opt = [[None] * (S + 1) for _ in range(S + 1)]
-        self.choice = [[None] * (S + 1) for _ in range(S + 1)]
+        # advance(s..u) = adv[u] - adv[s]
+        self.adv = np.concatenate([[0.0], np.cumsum([c.advance for c in costs])])
+        # opt[s, t]: the table of opt(s, t, .); shifted[u, t]: opt(u, t, . - b_{u-1}), the
+        # right part of a split at u (cubes, so that a segment's splits are one array op)
+        self.opt = np.full((S + 1, S + 1, self.K + 1), np.inf)
+        self.shifted = np.full((S + 1, S + 1, self.K + 1), np.inf)
+        self.choice = np.full((S + 1, S + 1, self.K + 1), -1, dtype=np.int16)
         m = np.arange(self.K + 1)
         # What a stage costs as a leaf: its recompute, and the traffic of what it keeps.
         self.leaf_cost = [c.leaf + KEPT_BYTE_COST * c.kept_bytes for c in costs]
         self.whole_cost = [KEPT_BYTE_COST * max(c.whole_bytes, c.kept_bytes) for c in costs]
         for s in range(S):
-            self.opt[s][s + 1] = np.where(m >= self.leaf_need[s], self.leaf_cost[s], np.inf)
+            self.opt[s, s + 1] = np.where(m >= self.leaf_need[s], self.leaf_cost[s], np.inf)
+        self._shifted(np.arange(S), 1)
         for span in range(2, S + 1):
-            for s in range(S - span + 1):
-                self._segment(s, s + span)
+            self._segments(span)
         self._root()
+        del self.opt, self.shifted  # the plans read the choices and the roots only
 
     def _units(self, x) -> int:
         return int(math.ceil(x / self.unit - 1e-9))
@@ -105,15 +109,26 @@ class ChainDP:
             out[b:] = table[:self.K + 1 - b]
         return out
 
-    def _segment(self, s, t):
-        best = np.full(self.K + 1, np.inf)
-        arg = np.full(self.K + 1, -1)
-        for u in range(s + 1, t):
-            cand = self.advance(s, u) + self._shift(self.opt[u][t], self.b[u - 1]) + self.opt[s][u]
-            better = cand < best
-            best = np.where(better, cand, best)
-            arg = np.where(better, u, arg)
-        self.opt[s][t], self.choice[s][t] = best, arg
+    def _shifted(self, s, span):
+        """shifted[s, s + span] for the segments starting at the stages `s` (an array)."""
+        s = s[s > 0]
+        b = np.asarray(self.b, dtype=np.int64)[s - 1][:, None]
+        at = np.arange(self.K + 1)[None, :] - b  # opt(s, t, m - b): inf where m < b
+        table = self.opt[s, s + span][np.arange(len(s))[:, None], np.maximum(at, 0)]
+        self.shifted[s, s + span] = np.where(at >= 0, table, np.inf)
+
+    def _segments(self, span):
+        """opt(s, s + span, .) for every s: each split u at once (the first cheapest wins a
+        tie, as a scan over u would)."""
+        s = np.arange(self.S - span + 1)[:, None]
+        u = s + 1 + np.arange(span - 1)[None, :]
+        cand = ((self.adv[u] - self.adv[s])[..., None] + self.shifted[u, s + span]
+                + self.opt[s, u])
+        arg = np.argmin(cand, axis=1)
+        best = np.take_along_axis(cand, arg[:, None], axis=1)[:, 0]
+        self.opt[s[:, 0], s[:, 0] + span] = best
+        self.choice[s[:, 0], s[:, 0] + span] = np.where(np.isfinite(best), arg + s + 1, -1)
+        self._shifted(s[:, 0], span)
 
     def _root(self):
         S = self.S
@@ -126,19 +141,17 @@ class ChainDP:
             # its kept values, which the later stages' needs count already)
             held = self.whole_held[s] + (self.b[s] if s + 1 < S else 0)
             kept = self.whole_cost[s] + (self.boundary_cost[s] if s + 1 < S else 0)
-            best = np.where(m >= self.whole_need[s],
-                            kept + self._shift(self.root[s + 1], held), np.inf)
-            arg = np.full(self.K + 1, -1)  # -1: kept whole
-            for u in range(s + 1, S + 1):
-                if u == S:
-                    cand = self.opt[s][S]
-                else:  # a boundary the forward keeps until the backward
-                    cand = (self.boundary_cost[u - 1] + self._shift(self.root[u], self.b[u - 1])
-                            + self.opt[s][u])
-                better = cand < best
-                best = np.where(better, cand, best)
-                arg = np.where(better, u, arg)
-            self.root[s], self.root_choice[s] = best, arg
+            whole = np.where(m >= self.whole_need[s],
+                             kept + self._shift(self.root[s + 1], held), np.inf)
+            # a boundary u the forward keeps until the backward, or one segment to the end;
+            # the first cheapest wins ties, "kept whole" first
+            cand = [whole] + [self.boundary_cost[u - 1] + self._shift(self.root[u], self.b[u - 1])
+                              + self.opt[s, u] for u in range(s + 1, S)] + [self.opt[s, S]]
+            cand = np.stack(cand)
+            arg = np.argmin(cand, axis=0)
+            best = cand[arg, m]
+            self.root[s] = best
+            self.root_choice[s] = np.where(np.isfinite(best) & (arg > 0), arg + s, -1)
 
     def best(self, budget: float):
         """(cost, segments) of the cheapest plan within `budget` bytes, or None."""

@@ -24,6 +24,8 @@ class Problem:
     planner: object = None  # the FastPlanner (or exact planner) set up for this problem
     base_cost: float = 0.0  # what the loop mode recomputes itself, inside loop bodies
     finish: object = None  # Graph -> Graph applied to every graph a plan stands for (None: none)
+    built: dict = dataclasses.field(default_factory=dict, repr=False)  # graphs, by what they
+    # are of: the search meets a plan again and again, and each graph it measures once
 
     @classmethod
     def of(cls, graph: Graph, base: str = "loops as traced") -> Problem:
@@ -35,10 +37,17 @@ class Problem:
     def build(self, plan: Plan) -> Graph:
         if not plan.segments:
             return self.finished()
-        plan = dataclasses.replace(plan, keep=plan.keep | self.forward.constants)
-        return self.finished(apply_regions(with_regions(self.graph, self.stage_eqns, plan)))
+        key = (self.finish, plan.keep, plan.segments)  # what the graph depends on
+        if key not in self.built:
+            plan = dataclasses.replace(plan, keep=plan.keep | self.forward.constants)
+            self.built[key] = self.finished(
+                apply_regions(with_regions(self.graph, self.stage_eqns, plan)))
+        return self.built[key]
 
     def finished(self, graph: Graph | None = None) -> Graph:
         """`graph` (the problem's own by default) as the step that runs: `finish` applied."""
-        graph = self.graph if graph is None else graph
+        if graph is None:
+            if self.finish not in self.built:
+                self.built[self.finish] = self.finished(self.graph)
+            return self.built[self.finish]
         return graph if self.finish is None else self.finish(graph)

@@ -35,11 +35,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
 
 from jgraph.backward import backward, forward_of
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph, Var
-from jgraph.memory import memory
+from jgraph.memory import peak_bytes
 from jgraph.planner import fast, hand, loops, validate
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
@@ -134,7 +135,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     done = plain if finish is None else finish(plain)
     if kind == "fraction" and amount >= 1:  # all of no remat's temp: no remat, uncompiled
         return _reported(done, {"planner": planner, "budget_given": budget}, "no remat",
-                         memory(done).peak_bytes, None, 0, 0.0, started)
+                         _peak(done), None, 0, 0.0, started)
     no_remat = xla_temp(plain) if reference is None else reference
     target = int(amount) if kind == "bytes" else int(amount * no_remat)
     report = {"planner": planner, "budget": target, "budget_given": budget,
@@ -143,13 +144,13 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     if finished != no_remat:
         report["finished_temp"] = finished
     if finished <= target:
-        return _reported(done, report, "no remat", memory(done).peak_bytes, finished, 0, 0.0,
+        return _reported(done, report, "no remat", _peak(done), finished, 0, 0.0,
                          started)
     by_mode = problems(graph)
     for problem in by_mode.values():
         problem.finish = finish
     used = _used(planner, by_mode)
-    estimates = {m: memory(p.finished()).peak_bytes for m, p in by_mode.items()}
+    estimates = {m: _peak(p.finished()) for m, p in by_mode.items()}
     # What XLA allocates beyond the estimate in a mode, whatever the plan (a scan's stacked
     # gradients, layout copies): the model's target is the budget less that. Measured on the
     # mode's graph when a plan of that mode is first chosen; until then, no remat's.
@@ -202,7 +203,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         if not fitting:
             raise _unreachable(target, no_remat, tried, report.get("finished_temp"))
         plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
-        estimate = memory(candidate).peak_bytes
+        estimate = _peak(candidate)
     if used == "exact" and not plan.label.startswith(HAND):
         exact = _exactly(by_mode[plan.base], plan, target, tried, started, planner)
         report["milp"] = exact[0]
@@ -212,7 +213,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     found = _first_fitting(hands, recompute_flops(candidate), target, tried)
     if found is not None:
         plan, candidate, temp = found
-        estimate = memory(candidate).peak_bytes
+        estimate = _peak(candidate)
     return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
                      len(tried) - 1, recompute_flops(candidate), started)
 
@@ -259,7 +260,7 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
         return f"no cheaper plan than the chain DP's within {seconds:.0f} s", None
     exact = dataclasses.replace(exact, base=plan.base, cost=exact.cost + problem.base_cost)
     candidate = problem.build(exact)
-    estimate = memory(candidate).peak_bytes
+    estimate = _peak(candidate)
     if exact.describe() not in tried:
         tried[exact.describe()] = xla_temp(candidate)
     if tried[exact.describe()] > target:
@@ -282,7 +283,7 @@ def _fit_estimate(by_mode: dict, budgets: dict, planner: str):
         if plan is None:
             return last
         candidate = by_mode[plan.base].build(plan)
-        estimate = memory(candidate).peak_bytes
+        estimate = _peak(candidate)
         last = plan, candidate, estimate
         if estimate <= budgets[plan.base]:
             break
@@ -315,7 +316,7 @@ def _smallest_plans(by_mode: dict, tried: dict):
     in less memory than the model's least."""
     found = []
     for mode, problem in by_mode.items():
-        least = fast.FastPlanner(problem.stages, memory(problem.graph).peak_bytes).smallest()
+        least = fast.FastPlanner(problem.stages, _peak(problem.graph)).smallest()
         candidates = [] if least is None else [least[1]]
         if len(problem.stages) > 1:
             candidates.append(Plan(frozenset(), tuple(
@@ -347,7 +348,7 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
         f"smallest compiled temp a plan reaches, {temp} bytes, {how} (no remat: {no_remat} "
         "bytes)", BudgetWarning, stacklevel=4)
     return _reported(candidate, report | {"unmet": True}, "no remat" if plan is None else
-                     plan.describe(), memory(candidate).peak_bytes, temp, len(tried) - 1,
+                     plan.describe(), _peak(candidate), temp, len(tried) - 1,
                      0.0 if plan is None else recompute_flops(candidate), started)
 
 
@@ -364,6 +365,17 @@ def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None 
     return TransformError(
         f"remat(budget={target} bytes): no plan fits; the smallest compiled temp a plan reaches "
         f"is {how} (no remat: {no_remat} bytes)")
+
+
+_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _peak(graph: Graph) -> int:
+    """`jg.memory(graph).peak_bytes`, once per graph: the search meets the same plan's graph
+    (`Problem.build` keeps them) again and again."""
+    if graph not in _PEAKS:
+        _PEAKS[graph] = peak_bytes(graph)
+    return _PEAKS[graph]
 
 
 def xla_temp(graph: Graph) -> int:
