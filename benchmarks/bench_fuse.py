@@ -11,12 +11,18 @@ donated; the step returns the loss, new params and state, no gradients) of:
 and the fused step's time against the unfused one (interleaved, median); for adam also the step
 as `jg.optimizer_step` returns it, with the gradients among its outputs (`keep_grads=True`).
 
-    python -m benchmarks.bench_fuse [--quick]
+`--budgets` (issue 28's first bar, minutes): the whole adam step under a budget, as
+`jg.remat(without_grads(go), budget=...)` and as `jg.Optimizer(remat={"budget": ...})` (period
+1), each against the same step's no-remat temp, for this MLP (25 %, 50 %) and the 4-layer
+transformer LM of `bench_planner` (d 128, seq 128, batch 8, vocab 512; 25 %).
+
+    python -m benchmarks.bench_fuse [--quick] [--budgets]
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +30,10 @@ import optax
 
 import jgraph as jg
 from benchmarks import interleaved_medians
+from benchmarks.bench_planner import transformer, transformer_args
 from jgraph.fuse import without_grads
 from jgraph.memory import donated_step
+from jgraph.planner.search import xla_temp
 
 MIB = 2**20
 
@@ -120,8 +128,44 @@ def rows(quick: bool = False) -> list[dict]:
     return out
 
 
+def optimizer_temp(fn, tx, params, x, remat) -> int:
+    """The donated temp of `jg.Optimizer(fn, tx, loss="sum", remat=remat)`'s step (period 1)."""
+    opt = jg.Optimizer(fn, tx, loss="sum", remat=remat)
+    state = opt.init(params, x)
+    return jg.compiled_memory(opt.graphs["opt"], params, x, state.opt_state).temp_bytes
+
+
+def budget_rows() -> list[dict]:
+    """The whole adam step planned under a budget: temp against the step's own no-remat temp."""
+    tx, out = optax.adam(1e-3), []
+    models = (("scanned MLP x64", scanned_mlp, mlp_args(), ("25%", "50%")),
+              ("transformer x4 d128", transformer(), transformer_args(layers=4, d=128), ("25%",)))
+    for name, fn, (params, x), budgets in models:
+        step = without_grads(jg.optimizer_step(jg.backward(jg.trace(fn, params, x,
+                                                                    param_argnums=0)), tx))
+        plain, opt_plain = xla_temp(step), optimizer_temp(fn, tx, params, x, None)
+        for budget in budgets:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", jg.BudgetWarning)
+                planned = jg.remat(step, budget=budget)
+                temp = xla_temp(planned)
+                opt_temp = optimizer_temp(fn, tx, params, x, {"budget": budget})
+            unmet = "; BudgetWarning" if caught else ""
+            report = planned.info["remat"]
+            out += [
+                {"benchmark": f"budget {name}, jg.remat(step, {budget!r})",
+                 "jgraph": f"{temp / MIB:.2f} MiB", "reference": f"{plain / MIB:.2f} MiB",
+                 "ratio": temp / plain, "note": f"plan: {report['plan'][:60]}; fused "
+                 f"{len(report.get('fused') or [])}, chunked {bool(report.get('chunked'))}"
+                 f"{unmet}"},
+                {"benchmark": f"budget {name}, Optimizer(remat={{'budget': {budget!r}}})",
+                 "jgraph": f"{opt_temp / MIB:.2f} MiB", "reference": f"{opt_plain / MIB:.2f} MiB",
+                 "ratio": opt_temp / opt_plain, "note": "against Optimizer(remat=None)"}]
+    return out
+
+
 if __name__ == "__main__":
-    for row in rows(quick="--quick" in sys.argv):
+    for row in budget_rows() if "--budgets" in sys.argv else rows(quick="--quick" in sys.argv):
         print(" | ".join(str(row[k]) if not isinstance(row[k], float) else f"{row[k]:.3f}"
                          for k in ("benchmark", "jgraph", "reference", "ratio", "note")),
               flush=True)

@@ -7,9 +7,10 @@ largest batch whose step's temp stays within it:
   scan's body) with `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`;
   2-layer segments (unrolled); each with XLA's default flags and with `cse_barrier_expander` off
   (`KEEP_BARRIERS`, which keeps JAX's remat alive on XLA:CPU);
-- jgraph: the step graph `jg.optimizer_step(jg.backward(jg.trace(loss)), adam)` planned by
-  `jg.remat(go, budget=that memory)`, with its updates fused into the backward
-  (`jg.fuse_updates(keep_grads=False)`: the step returns no gradients, as JAX's does not).
+- jgraph: the step graph `without_grads(jg.optimizer_step(jg.backward(jg.trace(loss)), adam))`
+  (the step returns no gradients, as JAX's does not) planned whole by
+  `jg.remat(go, budget=that memory)`: loop modes, the updates fused into the backward
+  (`jg.fuse_updates`), the loss head in chunks.
   A batch fits when the planner returns a plan without a `BudgetWarning` and XLA's temp of the
   returned step is within the memory.
 Then the time per example of each side's best (largest-batch) step at its largest batch, timed
@@ -46,6 +47,7 @@ from benchmarks.bench_planner import (
     transformer,
     transformer_args,
 )
+from jgraph.fuse import without_grads
 from jgraph.planner.search import xla_temp
 
 MIB = 2**20
@@ -106,14 +108,15 @@ def jax_temp(fn, params, batch: int, options=None) -> int:
 def jgraph_step_graph(fn, params, batch: int, vocab: int, cap: int):
     """The planned, fused step graph at `batch`, or None when no plan fits `cap`."""
     gb = jg.backward(jg.trace(fn, params, tokens(batch, vocab), param_argnums=0))
-    go = jg.optimizer_step(gb, tx())
+    go = without_grads(jg.optimizer_step(gb, tx()))  # planned whole, its updates fused
     with warnings.catch_warnings():
         warnings.simplefilter("error", jg.BudgetWarning)
         try:
             planned = jg.remat(go, budget=cap)
         except (jg.BudgetWarning, jg.TransformError):
             planned = None
-    candidates = [jg.fuse_updates(g, keep_grads=False) for g in (planned, go) if g is not None]
+    candidates = [planned] if planned is not None else []
+    candidates.append(jg.fuse_updates(go))
     fitting = [(xla_temp(g), g) for g in candidates]
     fitting = [f for f in fitting if f[0] <= cap]
     return min(fitting, key=lambda f: f[0])[1] if fitting else None

@@ -18,7 +18,7 @@ from jgraph.backward import backward, rederived
 from jgraph.check import validate
 from jgraph.chunk import chunk_rows
 from jgraph.errors import BudgetWarning, TransformError
-from jgraph.fuse import STATE_OF, fuse_updates
+from jgraph.fuse import STATE_OF, fuse_updates, with_grads, without_grads
 from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
 from jgraph.planner.search import forward_and_tail, with_tail
@@ -81,14 +81,21 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
     (`jg.chunk_rows`), is an option beside the graph as it is, tried when the graph as it is
     needs a plan. Of the options that meet the budget the one recomputing least is returned
     (then the smaller temp); when none does, the one reaching the least temp, with its warning
-    or error. `info["remat"]` says what was fused and chunked."""
+    or error. `info["remat"]` says what was fused and chunked. A step left without its grads
+    (`without_grads`) is planned as the step with them, whose loop modes the planner derives,
+    and each graph measured leaves them out again; a percentage is of the step as given."""
     finish = _fused if any(r in STATE_OF for r in graph.output_roles) else None
-    results = [_attempt(graph, budget, planner, finish)]
+    reference, restored = None, with_grads(graph)
+    if restored is not None:  # a step without its grads: planned with them, left out after
+        reference = xla_temp(without_regions(graph))
+        graph, finish = restored[0], _dropping(restored[1], finish)
+    finish = _memo(finish)
+    results = [_attempt(graph, budget, planner, finish, reference)]
     if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
             and results[0][1] is None):
         chunked = None if chunks is None else _chunked(graph, chunks)
         if chunked is not None:  # a percentage stays a share of the graph as given
-            reference = xla_temp(without_regions(graph))
+            reference = reference or xla_temp(without_regions(graph))
             results.append(_attempt(chunked, budget, planner, finish, reference))
     fitting = [r for r in results if r[0] is not None and r[1] is None]
     if fitting:
@@ -133,16 +140,40 @@ def _least_in(message: str) -> float:
     return int(found.group(1)) if found else float("inf")
 
 
+def _dropping(placeholder: bool, finish):
+    """`finish` after leaving out the grads (`without_grads`): the planner's loop modes are
+    derived with the grads, which the step as given does not return."""
+    def finished(graph: Graph) -> Graph:
+        graph = without_grads(graph, placeholder=placeholder)
+        return graph if finish is None else finish(graph)
+
+    return finished
+
+
+def _memo(finish):
+    """`finish`, computed once per graph (the planner finishes each mode's graph many times)."""
+    if finish is None:
+        return None
+    done: dict = {}
+
+    def finished(graph: Graph) -> Graph:
+        if id(graph) not in done:  # the graph is kept with its result: its id stays its own
+            done[id(graph)] = (graph, finish(graph))
+        return done[id(graph)][1]
+
+    return finished
+
+
 def _fused(graph: Graph) -> Graph:
-    """`graph` with its updates fused where its gradients are made, when XLA places that step in
-    less temp (a step returning its stacked gradients, or whose scans keep every k-th carry,
-    may not gain); `info["remat"]["fused"]` lists the params whose update moved."""
+    """`graph` with its updates fused where its gradients are made; for a step that returns its
+    gradients, only when XLA places it in less temp (the stacked gradient stays; the moved
+    update may then cost more). `info["remat"]["fused"]` lists the params whose update moved."""
     try:
         fused = fuse_updates(graph)
     except TransformError:
         return graph
     moved = [path for path, r in fused.info["fuse_updates"].items() if r.get("fused")]
-    if not moved or xla_temp(fused) >= xla_temp(graph):
+    if not moved or ("grad" in graph.output_roles and xla_temp(fused) >= xla_temp(graph)):
         return graph
     return fused.replace(info={**fused.info, "remat": {**fused.info.get("remat", {}),
                                                        "fused": moved}})

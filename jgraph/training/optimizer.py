@@ -76,7 +76,7 @@ from jgraph.training.mesh_steps import MeshSteps
 from jgraph.training.optimizer_io import StateFiles
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.period import WholePeriods
-from jgraph.training.remat_step import grad_step
+from jgraph.training.remat_step import grad_step, whole_step
 from jgraph.training.reset import reset
 from jgraph.training.train_state import StepOutput, TrainState
 
@@ -175,9 +175,13 @@ class Optimizer(StateFiles, WholePeriods):
         fwd = _labelled(trace(loss_fn, *args, param_argnums=0, has_aux=has_aux), y)
         if plan is not None and self.period > 1:
             return self._mesh_build(fwd, loss_fn, has_aux, arguments, model, keys, x, y)
-        grad = grad_step(backward(fwd), self.remat, None if self.period == 1 else
-                         lambda g: accumulate(g, self.period, self.loss))
+        bwd = backward(fwd)
+        whole = self.period == 1 and plan is None  # the step reads its gradients, nobody else
+        grad = grad_step(bwd, self.remat, None if self.period == 1 else
+                         lambda g: accumulate(g, self.period, self.loss), whole)
         opt = optimizer_step(grad, self.tx)
+        if whole:
+            opt = whole_step(bwd, opt, self.tx, self.remat)
         mode = self.on_nonfinite
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
         graphs = {"forward": fwd, "grad": with_guard(grad, "ignore" if mode == "skip" else mode),

@@ -5,6 +5,10 @@ that runs: with a period, `grad_step` plans both the accumulated step and the ba
 before accumulation (whose nesting XLA may place in less memory once accumulation is added),
 compiles both accumulated steps, and keeps the cheapest that fits the budget, or else the one
 XLA places in the least temp (`info["remat"]["xla_temp"]` is then that step's).
+
+Without a period, the optimizer step is the step that runs: `whole_step` leaves its gradients
+out (nothing reads them; the update fused where they are made then leaves no stacked gradient)
+and plans a budget on the whole step, update included.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import warnings
 
 from jgraph.errors import BudgetWarning, TransformError
+from jgraph.fuse import without_grads
 from jgraph.ir import Graph
 from jgraph.planner.search import xla_temp
 from jgraph.remat import remat as remat_transform
+from jgraph.training.optimizer_step import optimizer_step
 
 
 def apply_remat(graph: Graph, remat):
@@ -27,8 +33,12 @@ def apply_remat(graph: Graph, remat):
     return remat_transform(graph, policy=remat)
 
 
-def grad_step(bwd: Graph, remat, accumulate) -> Graph:
-    """The gradient micro-step: `accumulate(graph)` (None: no period) of `bwd` with `remat`."""
+def grad_step(bwd: Graph, remat, accumulate, whole: bool = False) -> Graph:
+    """The gradient micro-step: `accumulate(graph)` (None: no period) of `bwd` with `remat`.
+    `whole`: the step that runs is the optimizer step, a budget is planned there
+    (`whole_step`), so the gradient step is `bwd` with no plan."""
+    if whole and isinstance(remat, dict) and remat.get("budget") is not None:
+        return bwd
     if accumulate is None:
         return apply_remat(bwd, remat)
     if not (isinstance(remat, dict) and remat.get("budget") is not None):
@@ -71,3 +81,13 @@ def _warned(graph: Graph, caught) -> Graph:
                         "of XLA temp on the accumulated step)")
         warnings.warn(message, BudgetWarning, stacklevel=4)
     return graph
+
+
+def whole_step(bwd: Graph, opt: Graph, tx, remat) -> Graph:
+    """The optimizer step of period 1 (`opt`: the update appended to `bwd` with `remat`)
+    without its gradients, `None` in their place; a budget is planned on the whole step
+    (`jg.remat` of it: loop modes, fused updates, the loss head in chunks) instead."""
+    if not (isinstance(remat, dict) and remat.get("budget") is not None):
+        return without_grads(opt, placeholder=True)
+    step = without_grads(optimizer_step(bwd, tx), placeholder=True)
+    return apply_remat(step, remat)

@@ -25,7 +25,10 @@ source line). Values are the input graph's bit for bit under `jg.evaluate` (same
 
 On XLA:CPU, a fused scan passes the slices it reads and those it writes through a `cond` XLA
 cannot fuse into (as `jgraph.lower`'s fusion cuts do): otherwise XLA fuses the reads of every
-stack into the writes of the others, and copies whole stacks to write them in place.
+stack into the writes of the others, and copies whole stacks to write them in place. A scan
+keeping every k-th carry (`jgraph.vjp_rules.scan_restart`) also reads the param stack whole, to
+recompute earlier iterations; fused, it reads it from the carry the update writes (the slices it
+reads are those the backward has not reached), or XLA would copy the stack to write the carry.
 """
 
 from __future__ import annotations
@@ -38,123 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgraph import ops
 from jgraph.builder import Builder
 from jgraph.check import validate
 from jgraph.errors import TransformError
+from jgraph.fuse.slices import SLICE, STATE_OF, slice_form, sliced
 from jgraph.ir import Eqn, Graph, Var, eqn_lines, format_eqn, is_float
 from jgraph.passes import dce
-
-# Output roles an update writes, and the state input each one replaces.
-STATE_OF = {"new_param": "param", "new_opt_state": "opt_state", "new_accumulator": "accumulator"}
-SLICE, WHOLE = "slice", "whole"  # how a slice-wise eqn reads an input: its slice i, or all of it
-
-# -- slice rules: op -> rule(eqn, length) -> (per input: SLICE | WHOLE, params per slice) | None
-SLICE_RULES: dict = {}
-ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "pow", "integer_pow", "max", "min", "neg",
-    "abs", "sign", "floor", "ceil", "round", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "log",
-    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "atan2", "square", "select_n",
-    "clamp", "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-    "xor", "is_finite", "nextafter", "erf", "erf_inv", "copy", "copy_p", "reduce_precision",
-})
-
-
-def _elementwise_rule(eqn, length):
-    """Operands of the output's shape (or 1 where it broadcasts) are sliced; scalars are shared."""
-    out = eqn.outputs[0].aval.shape
-
-    def mode(shape):
-        if shape == ():
-            return WHOLE
-        fits = len(shape) == len(out) and shape[:1] == out[:1]
-        return SLICE if fits and all(d in (1, o) for d, o in zip(shape, out, strict=True)) \
-            else None
-
-    modes = [mode(a.aval.shape) for a in eqn.inputs]
-    return None if None in modes else (modes, dict(eqn.params))
-
-
-SLICE_RULES.update(dict.fromkeys(ELEMENTWISE, _elementwise_rule))
-
-
-def _reduce_rule(eqn, length):
-    axes = eqn.params["axes"]
-    return None if 0 in axes else ([SLICE], {**eqn.params, "axes": tuple(a - 1 for a in axes)})
-
-
-SLICE_RULES.update(dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                                  "reduce_and", "reduce_or"), _reduce_rule))
-
-
-def _broadcast_rule(eqn, length):
-    p, x = eqn.params, eqn.inputs[0]
-    dims = p["broadcast_dimensions"]
-    if 0 not in dims:  # the operand is the same for every slice
-        return [WHOLE], {**p, "shape": p["shape"][1:],
-                         "broadcast_dimensions": tuple(d - 1 for d in dims)}
-    if dims[0] != 0 or x.aval.shape[0] != length:
-        return None
-    return [SLICE], {**p, "shape": p["shape"][1:],
-                     "broadcast_dimensions": tuple(d - 1 for d in dims[1:])}
-
-
-SLICE_RULES["broadcast_in_dim"] = _broadcast_rule
-
-
-def _reshape_rule(eqn, length):
-    p = eqn.params
-    if p.get("dimensions") is not None or eqn.inputs[0].aval.shape[:1] != (length,):
-        return None
-    return [SLICE], {**p, "new_sizes": tuple(p["new_sizes"][1:])}
-
-
-SLICE_RULES["reshape"] = _reshape_rule
-
-
-def _transpose_rule(eqn, length):
-    perm = eqn.params["permutation"]
-    return None if perm[0] != 0 else ([SLICE], {"permutation": tuple(d - 1 for d in perm[1:])})
-
-
-SLICE_RULES["transpose"] = _transpose_rule
-
-
-def _squeeze_rule(eqn, length):
-    dims = eqn.params["dimensions"]
-    return None if 0 in dims else ([SLICE], {"dimensions": tuple(d - 1 for d in dims)})
-
-
-SLICE_RULES["squeeze"] = _squeeze_rule
-
-
-def _sliced(aval):
-    return aval.update(shape=aval.shape[1:])
-
-
-def slice_form(eqn: Eqn, length: int):
-    """(modes, params, per-slice output avals) of `eqn` run on slice i of its stacked inputs,
-    or None when it is not slice-wise. The op's shape rule must give the slices of its outputs."""
-    rule = SLICE_RULES.get(eqn.op)
-    if rule is None or not all(v.aval.shape[:1] == (length,) for v in eqn.outputs):
-        return None
-    found = rule(eqn, length)
-    if found is None:
-        return None
-    modes, params = found
-    if any(m == SLICE and a.aval.shape[:1] != (length,) for a, m in
-           zip(eqn.inputs, modes, strict=True)):
-        return None
-    avals = [_sliced(a.aval) if m == SLICE else a.aval
-             for a, m in zip(eqn.inputs, modes, strict=True)]
-    try:
-        outs = ops.shape_rules[eqn.op](*avals, **params)
-    except Exception:  # noqa: BLE001 - a rule that does not fit: the eqn is not slice-wise
-        return None
-    for out, v in zip(outs, eqn.outputs, strict=True):
-        if (out.shape, out.dtype) != (v.aval.shape[1:], v.aval.dtype):
-            return None
-    return modes, params, outs
 
 
 # -- the analysis: update eqns, gradients, and what can move into a scan -----------------------
@@ -354,7 +246,7 @@ def fused_scan(step: Step, plan: ScanPlan) -> tuple[list[Eqn], Eqn, dict]:
     pre = Builder()
     (iota,) = pre.call(_iota, length=length)
     t_in, w_in = {t: Var(t.aval) for t in written}, [Var(w.aval) for w in whole]
-    i_in, r_in = Var(iota.aval.update(shape=())), [Var(_sliced(a.aval)) for a in read_only]
+    i_in, r_in = Var(iota.aval.update(shape=())), [Var(sliced(a.aval)) for a in read_only]
     # slice i of the written stacks, read (into buffers of their own) before any is written
     reads = Builder()
     xs = list(zip(scan.inputs[nc + nk:], body.inputs[nc + nk:], strict=True))
@@ -363,6 +255,10 @@ def fused_scan(step: Step, plan: ScanPlan) -> tuple[list[Eqn], Eqn, dict]:
                                                  for t in read]), strict=True))
     rename = {bx: slices[x] for x, bx in xs if isinstance(x, Var) and x in t_in}
     kept = [(x, bx) for x, bx in xs if bx not in rename]
+    through = _consts_through_carry(body, scan.inputs[:nc], t_in)
+    rename.update(through)
+    k_consts = [(c, bc) for c, bc in zip(scan.inputs[:nc], body.inputs[:nc], strict=True)
+                if bc not in through]
     y_body = dict(zip(scan.outputs[nk:], body.outputs[nk:], strict=True))
     env = {}  # a top-level value read per slice -> its slice i in the body
     for a, kind in plan.stacked.items():
@@ -389,7 +285,8 @@ def fused_scan(step: Step, plan: ScanPlan) -> tuple[list[Eqn], Eqn, dict]:
         t_out.append(finish.call(_write_at, t_in[t], value, i_in)[0])
     extra = [done[env[o]] for o, state in plan.outputs if state is None]
     carry_out = tuple(rename.get(a, a) if isinstance(a, Var) else a for a in body.outputs)
-    inputs = (body.inputs[:nc] + tuple(w_in) + body.inputs[nc:nc + nk] + tuple(t_in.values())
+    inputs = (tuple(bc for _, bc in k_consts) + tuple(w_in) + body.inputs[nc:nc + nk]
+              + tuple(t_in.values())
               + tuple(bx for _, bx in kept) + (i_in,) + tuple(r_in))
     outputs = carry_out[:nk] + tuple(t_out) + carry_out[nk:] + tuple(extra)
     new_body = body.replace(
@@ -400,15 +297,37 @@ def fused_scan(step: Step, plan: ScanPlan) -> tuple[list[Eqn], Eqn, dict]:
     stacks = [Var(t.aval) for t in written]
     extra_ys = [Var(v.aval.update(shape=(length, *v.aval.shape))) for v in extra]
     fused = dataclasses.replace(
-        scan, inputs=(scan.inputs[:nc] + tuple(whole) + scan.inputs[nc:nc + nk]
+        scan, inputs=(tuple(c for c, _ in k_consts) + tuple(whole) + scan.inputs[nc:nc + nk]
                       + tuple(written) + tuple(x for x, _ in kept) + (iota,) + tuple(read_only)),
         outputs=scan.outputs[:nk] + tuple(stacks) + scan.outputs[nk:] + tuple(extra_ys),
-        params={**p, "body": new_body, "num_consts": nc + len(whole),
+        params={**p, "body": new_body, "num_consts": len(k_consts) + len(whole),
                 "num_carry": nk + len(written)})
     where = dict(zip(written, stacks, strict=True))
     moved = {o: where[state] for o, state in plan.outputs if state is not None}
     moved.update(zip([o for o, state in plan.outputs if state is None], extra_ys, strict=True))
     return pre.eqns, fused, moved
+
+
+def _consts_through_carry(body: Graph, consts, t_in: dict) -> dict:
+    """{body const: the carry it is read from}: a written stack also read whole as a const of
+    the scan, only by the recompute loops of a scan keeping every k-th carry
+    (`jgraph.vjp_rules.scan_restart`, scans marked `mean_runs`). Those read the stack at forward
+    iterations before the current one, which the backward has not reached, so the carry still
+    holds their old slices there; read from the carry, the stack is not also a const, which
+    XLA would copy whole to write the carry in place."""
+    readers: dict = {}
+    for e in body.eqns:
+        for a in e.inputs:
+            if isinstance(a, Var):
+                readers.setdefault(a, []).append(e)
+    outputs = {a for a in body.outputs if isinstance(a, Var)}
+    found = {}
+    for c, bc in zip(consts, body.inputs[:len(consts)], strict=True):
+        if not (isinstance(c, Var) and c in t_in) or bc in outputs:
+            continue
+        if all(e.op == "scan" and "mean_runs" in e.params for e in readers.get(bc, ())):
+            found[bc] = t_in[c]
+    return found
 
 
 def without_unused_ys(eqn: Eqn, live: set) -> Eqn:
@@ -469,9 +388,12 @@ def schedule(eqns: list, is_update) -> list:
 
 
 # -- the public transform ----------------------------------------------------------------------
-def without_grads(graph: Graph) -> Graph:
+def without_grads(graph: Graph, *, placeholder: bool = False) -> Graph:
     """`graph` without its `grad` outputs (a training step updates the params and need not
-    return the gradients: then a fused update leaves no stacked gradient)."""
+    return the gradients: then a fused update leaves no stacked gradient). `placeholder`: the
+    grads' part of the result becomes `None` instead of going, so the parts after it keep their
+    positions. `info["with_grads"]` is `graph`, which `jg.remat` plans (its loop modes are
+    derived with the grads) before leaving them out again."""
     drop = [k for k, r in enumerate(graph.output_roles) if r == "grad"]
     if not drop:
         return graph
@@ -486,11 +408,23 @@ def without_grads(graph: Graph) -> Graph:
         else:
             raise TransformError("jg.fuse_updates(keep_grads=False): the grads are not one part "
                                  "of the graph's result, so they cannot be left out")
-        tree = jax.tree.structure(tuple(jax.tree.unflatten(t, [0] * t.num_leaves)
-                                        for t in parts))
+        values = [jax.tree.unflatten(t, [0] * t.num_leaves) for t in parts]
+        if placeholder:
+            values.insert(j, None)
+        tree = jax.tree.structure(tuple(values))
     keep = [k for k in range(len(graph.outputs)) if k not in drop]
     return graph.replace(outputs=tuple(graph.outputs[k] for k in keep),
-                         output_roles=tuple(graph.output_roles[k] for k in keep), out_tree=tree)
+                         output_roles=tuple(graph.output_roles[k] for k in keep), out_tree=tree,
+                         info={**graph.info, "with_grads": (graph, placeholder)})
+
+
+def with_grads(graph: Graph) -> tuple[Graph, bool] | None:
+    """(the graph `without_grads` made `graph` from, its `placeholder`), or None when `graph`
+    was not made so or was changed since."""
+    found = graph.info.get("with_grads")
+    if found is None or found[0].eqns is not graph.eqns:
+        return None
+    return found
 
 
 def _state_inputs(graph: Graph) -> list:
