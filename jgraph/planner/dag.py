@@ -22,7 +22,9 @@ Solvers:
   S[t, i]: held into stage t), solved by HiGHS through `scipy.optimize.milp` with a time limit
   and bounded by the fast schedule's cost. Frees are continuous variables bounded by the
   binaries (a free can only help memory), and "used later in the stage" is a monotone chain per
-  value, so the binaries are the only integers. Exact within the space above.
+  value, so the binaries are the only integers. Exact within the space above: its optimum is
+  brute force's over the stages on tiny DAGs (tests/test_dag.py), solved without presolve
+  (HiGHS 1.12's presolve spoils it now and then: issue 27).
 
 `solver="auto"` takes the topological schedule when it fits, else the fast one (with restarts),
 improved or proven optimal by the MILP when the graph is small enough (`EXACT_MAX_VARIABLES`).
@@ -367,7 +369,7 @@ class _Milp:
                     terms = [(u, 1.0), (level, -1.0)] + [(f, m[i]) for i, f in frees[previous]]
                     self._add(terms, 0.0, 0.0, (-m[k], self._r(t, k)))
                 level, previous = u, k
-        if cost_bound is not None:  # no worse than a known schedule: prunes the search
+        if cost_bound is not None and max(ix.cost) > 0:  # no worse than a known schedule
             scale = max(ix.cost)
             self._row([(v, ix.cost[i] / scale) for (t, i), v in self.R.items() if ix.cost[i]],
                       upper=cost_bound / scale)
@@ -393,9 +395,12 @@ class _Milp:
         scale = max(max(self.cost), 1e-30)
         cost = np.asarray(self.cost) / scale
         lower_rows, upper_rows = np.asarray(self.lower), np.asarray(self.upper)
+        # no presolve: HiGHS 1.12's (SciPy 1.17's) spoils this MILP now and then, ending
+        # "optimal" above the optimum, "infeasible" or in a solve error (issue 27)
         result = milp(cost, integrality=np.asarray(self.integer), bounds=(0.0, 1.0),
                       constraints=LinearConstraint(matrix, lower_rows, upper_rows),
-                      options={"time_limit": max(float(seconds), 0.5), "mip_rel_gap": 1e-6})
+                      options={"time_limit": max(float(seconds), 0.5), "mip_rel_gap": 1e-6,
+                               "presolve": False})
         if result.x is None:
             return None, result.status, None
         x = result.x
