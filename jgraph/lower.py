@@ -22,6 +22,13 @@ therefore differs from the forward for CSE, and it cannot start before the ancho
 before the backward has reached it. This holds with default flags, on every backend, inside a
 user's own jit and under vmap (tests count the recomputed dots in the compiled HLO).
 
+Where the tainted value is one XLA writes anyway (a forward contraction reads it) and its producer
+is an elementwise op that XLA:CPU would duplicate into the select, reading a value nothing after
+the forward reads (a U-Net's innermost level: its decoder's input `h + h`), the select would keep
+that value alive from the forward until the backward reaches the taint, beside the tainted one.
+There the taint on CPU is the conditional of the fusion cuts below (`read_through_cond`), which
+XLA cannot fuse into; it costs a few bytes of tuples, so it is used only there.
+
 Fusion cuts. XLA:CPU fuses a cheap elementwise producer into every reader, duplicating it, and
 does so transitively. In a backward, the cotangent of a residual stream is a chain of such adds
 over every layer, read by several loop fusions and by the transposed copies XLA makes of
@@ -91,6 +98,45 @@ def protection_plan(graph: Graph):
         plan[eqn] = (len(anchors) - 1, position)
         protected.update(eqn.outputs)
     return plan, anchors
+
+
+BUFFER_READERS = frozenset({"dot", "loop", "opaque"})  # `opkinds` kinds: read buffers, not fused
+
+
+def read_through_cond(graph: Graph, plan: dict) -> set[Var]:
+    """The tainted inputs of `plan` (`protection_plan`) that the taint reads through a
+    conditional on CPU (module docstring): values XLA writes anyway (a forward contraction, loop
+    or opaque op reads them) whose producer it would duplicate into a select (an elementwise op
+    that does not read more than it writes, `opkinds.shrinks`; bitcasts looked through), when
+    that producer reads a value nothing after the forward reads: the select would keep it
+    alive until the backward reaches the taint."""
+    producer = {v: e for e in graph.eqns for v in e.outputs}
+    inputs = set(graph.inputs)
+    later = {a for e in graph.eqns if {"backward", "recompute"} & e.tags for a in e.inputs
+             if isinstance(a, Var)} | {a for a in graph.outputs if isinstance(a, Var)}
+    buffered = {a for e in graph.eqns if not {"backward", "recompute"} & e.tags
+                and opkinds.kind(e) in BUFFER_READERS for a in e.inputs if isinstance(a, Var)}
+
+    def broadcast(a) -> bool:
+        return not isinstance(a, Var) or (
+            a in producer and producer[a].op in ("broadcast_in_dim", "iota"))
+
+    def duplicated_over_dead(v) -> bool:
+        while v in producer:
+            eqn = producer[v]
+            src = opkinds.aliases(eqn)
+            if src is None:
+                read = [a for a in eqn.inputs if isinstance(a, Var)]
+                return (opkinds.kind(eqn) == "cheap" and not opkinds.shrinks(eqn, broadcast)
+                        and any(a.aval.size == v.aval.size and not broadcast(a) for a in read)
+                        and any(a not in later and a not in inputs for a in read))
+            v = eqn.inputs[src[eqn.outputs.index(v)]]
+            if not isinstance(v, Var):
+                return False
+        return False
+
+    tainted = {eqn.inputs[k] for eqn, (_, k) in plan.items() if k is not None}
+    return {v for v in tainted if v in buffered and duplicated_over_dead(v)}
 
 
 CUT_MIN_BYTES = 1 << 16  # below this a cut's fixed cost (a conditional thunk) outweighs any gain
@@ -267,6 +313,7 @@ class Lowering(Interpreter):
         self.anchor_set = {v for v in self.anchors if v is not None}
         self.anchor_values, self.preds, self.tainted = {}, {}, {}
         self.cuts = fusion_cuts(graph)
+        self.through_cond = read_through_cond(graph, self.plan) if self.plan else set()
         for v, x in zip(graph.inputs, args, strict=True):
             self._remember_anchor(v, x)
         return super().run(graph, *args)
@@ -295,8 +342,22 @@ class Lowering(Interpreter):
             if group not in self.preds:
                 anchor = jnp.reshape(self.anchor_values[self.anchors[group]], (-1,))[0]
                 self.preds[group] = lax.lt(anchor, lax.neg(lax.abs(anchor)))
-            self.tainted[(group, var)] = jnp.where(self.preds[group], jnp.zeros_like(x), x)
+            taint = _taint_through_cond if var in self.through_cond else _taint_by_select
+            self.tainted[(group, var)] = taint(x, self.preds[group])
         return self.tainted[(group, var)]
+
+
+def _taint_by_select(x, pred):
+    return jnp.where(pred, jnp.zeros_like(x), x)
+
+
+def _taint_through_cond(x, pred):
+    """`x`, tainted by `pred`, as a buffer XLA:CPU cannot fuse `x`'s producer into (module
+    docstring); a select elsewhere."""
+    def on_cpu(y, pred):
+        return lax.cond(pred, jnp.zeros_like, lambda z: z, y)
+
+    return lax.platform_dependent(x, pred, cpu=on_cpu, default=_taint_by_select)
 
 
 def as_function(graph: Graph):

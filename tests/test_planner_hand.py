@@ -58,9 +58,11 @@ def test_a_chain_of_layers_is_cut_into_one_segment_per_layer():
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable],
                          ids=["nothing_saveable", "dots_saveable"])
 def test_a_budget_a_per_layer_checkpoint_meets_is_met(policy):
-    """Met, or missed by at most 4% (with `nothing_saveable` at this small width the least plan
-    is one 64 KiB activation above the per-layer checkpoint as jgraph compiles it, since the
-    CPU's fusion cuts are decided by cost; at the benchmark's width, 256, it is below it)."""
+    """Met, or missed by the bytes of a conditional's tuples: with `nothing_saveable` at this
+    small width the least plan reaches 1,835,080 bytes against the per-layer checkpoint's
+    1,835,008 as jgraph compiles it (the taint of the innermost decoder's input `h + h` is a
+    conditional, `jgraph.lower.read_through_cond`; as a select it kept `h` until the backward:
+    one 64 KiB activation more)."""
     args = unet_args(4)
     temp = by_hand(unet, args, policy)
     gb = jg.backward(jg.trace(unet(), *args, param_argnums=0))
@@ -68,7 +70,7 @@ def test_a_budget_a_per_layer_checkpoint_meets_is_met(policy):
         gr = jg.remat(gb, budget=temp)
     except jg.TransformError as e:
         least = int(re.search(r"reaches is (\d+) bytes", str(e)).group(1))
-        assert least <= 1.04 * temp, (least, temp)
+        assert least <= temp + 1024, (least, temp)
         temp = least
         gr = jg.remat(gb, budget=temp)
     assert gr.info["remat"]["xla_temp"] <= temp and xla_temp(gr) <= temp
@@ -96,12 +98,16 @@ def test_a_u_net_is_cut_into_one_segment_per_layer():
     assert [c for c in counts if c] == [2] * (2 * levels), counts
 
 
-def test_the_least_temp_reported_is_below_the_hand_arrangement():
-    """The least plan on the 8-level U-Net is below the per-layer checkpoint as jgraph compiles
-    it (which keeps each region's output, DESIGN 4.2) and near JAX's own compilation of it with
-    XLA's barrier expander off (at the benchmark's width, 256: 9.25 MiB against 9.0, 1.03x).
-    Before the hand arrangements it was 1.58x."""
-    args = unet_args(8)
+@pytest.mark.parametrize("levels", [4, 8])
+def test_the_least_temp_reported_is_below_the_hand_arrangement(levels):
+    """The least plan on the U-Nets is not above the per-layer checkpoint as jgraph compiles it
+    (which keeps each region's output, DESIGN 4.2) and within 1.02x of JAX's own compilation of
+    it with XLA's barrier expander off: at the benchmark's width, 256, 9.0 MiB against 9.0 on
+    8 levels, 7.0 against 7.0 on 4; at this test's, 128, 2.25 against 2.25 and 1.75 against
+    1.75. It was 9.25 MiB (1.03x) and 7.25 (1.04x) while the taint of the innermost decoder's
+    input `h + h` was a select (`jgraph.lower.read_through_cond`), 1.58x before the hand
+    arrangements."""
+    args = unet_args(levels)
     temp = by_hand(unet, args)
     by_jax = jax.jit(lambda p, x: jax.value_and_grad(unet(jax.checkpoint))(p, x),
                      donate_argnums=0, compiler_options=KEEP_BARRIERS)
@@ -110,7 +116,7 @@ def test_the_least_temp_reported_is_below_the_hand_arrangement():
     with pytest.raises(jg.TransformError, match="no plan fits") as caught:
         jg.remat(gb, budget=1024)
     least = int(re.search(r"reaches is (\d+) bytes", str(caught.value)).group(1))
-    assert least <= temp, (least, temp)
-    assert least <= 1.2 * jax_temp, (least, jax_temp)
+    assert least <= temp + 1024, (least, temp)  # a conditional's tuples (see above)
+    assert least <= 1.02 * jax_temp, (least, jax_temp)
     gr = jg.remat(gb, budget=least)  # the least it reports is a plan it returns
     assert xla_temp(gr) <= least
