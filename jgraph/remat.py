@@ -14,14 +14,14 @@ from __future__ import annotations
 import re
 import warnings
 
-from jgraph.backward import backward, rederived
+from jgraph.backward import rederived
 from jgraph.check import validate
 from jgraph.chunk import chunk_rows
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.fuse import STATE_OF, fuse_updates, with_grads, without_grads
 from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
-from jgraph.planner.search import forward_and_tail, with_tail
+from jgraph.planner.search import forward_and_tail, step_rewritten
 from jgraph.planner.validate import xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
 
@@ -96,7 +96,8 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
         chunked = None if chunks is None else _chunked(graph, chunks)
         if chunked is not None:  # a percentage stays a share of the graph as given
             reference = reference or xla_temp(without_regions(graph))
-            results.append(_attempt(chunked, budget, planner, finish, reference))
+            results.append(_attempt(graph, budget, planner, finish, reference,
+                                    _rows_in_chunks(chunks), chunked))
     fitting = [r for r in results if r[0] is not None and r[1] is None]
     if fitting:
         return min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
@@ -112,13 +113,15 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
     raise problem
 
 
-def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None = None):
+def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None = None,
+             rederive=None, chunked: Graph | None = None):
     """(the planned graph or None, the BudgetWarning or TransformError it met or None, the
-    error when there is no graph, the least temp reached)."""
+    error when there is no graph, the least temp reached). `rederive`: the rewrite (the loss
+    head in chunks) planned in every loop mode; `chunked`: `graph` as traced, rewritten."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
         try:
-            planned = remat_under_budget(graph, budget, planner, finish, reference)
+            planned = remat_under_budget(graph, budget, planner, finish, reference, rederive)
         except TransformError as e:
             if "no plan fits" not in str(e):
                 raise
@@ -128,9 +131,9 @@ def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None =
         if not issubclass(w.category, BudgetWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     report = planned.info["remat"]
-    if graph.info.get("chunk_rows", {}).get("regions"):
+    if chunked is not None:
         planned = planned.replace(info={**planned.info, "remat": {
-            **report, "chunked": graph.info["chunk_rows"]["regions"]}})
+            **report, "chunked": chunked.info["chunk_rows"]["regions"]}})
     return planned, warned, None, report.get("xla_temp") or 0
 
 
@@ -182,19 +185,20 @@ def _fused(graph: Graph) -> Graph:
 def _chunked(graph: Graph, chunks: int) -> Graph | None:
     """The graph `jg.backward` returned (and the update appended since, if any) with its loss
     head over chunks of rows, or None when it has none worth chunking or was changed otherwise."""
-    forward, tail = forward_and_tail(graph)
-    if forward is None:
+    if forward_and_tail(graph)[0] is None:
         return None
-    try:
-        chunked = chunk_rows(graph if not tail else backward(forward), chunks=chunks)
-    except TransformError:
-        return None
-    if not chunked.info.get("chunk_rows", {}).get("regions"):
-        return None
-    if not tail:
-        return chunked
-    step = with_tail(chunked, graph, tail)
-    if step is None:
-        return None
-    info = {k: v for k, v in {**graph.info, **chunked.info}.items() if k != "backward_of"}
-    return step.replace(info=info)
+    chunked = step_rewritten(graph, _rows_in_chunks(chunks))
+    return chunked if chunked.info.get("chunk_rows", {}).get("regions") else None
+
+
+def _rows_in_chunks(chunks: int):
+    """Graph -> Graph: a joint graph with its loss head over `chunks` chunks of rows
+    (`jg.chunk_rows`), unchanged where it has none; applied in every loop mode the planner
+    derives, so a scanned model's scan modes hold the chunked head too."""
+    def rederive(joint: Graph) -> Graph:
+        try:
+            return chunk_rows(joint, chunks=chunks)
+        except TransformError:
+            return joint
+
+    return rederive

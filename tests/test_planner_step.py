@@ -126,3 +126,33 @@ def test_a_budget_only_the_chunked_loss_head_meets_is_met(with_update):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
+    """The loss head over chunks of rows is planned in every loop mode: a scanned residual MLP
+    under a wide head meets a budget below what the chunked head reaches with the scan as
+    traced, keeping every k-th carry of the chunked graph (before, a chunked graph was planned
+    with its loops as traced only)."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    params = {"ws": jax.random.normal(k[0], (8, 64, 64)) * 64**-0.5,
+              "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
+    x, y = jax.random.normal(k[2], (512, 64)), jax.random.randint(k[3], (512,), 0, 4096)
+
+    def scanned(p, x, y):
+        h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, p["ws"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], y).mean()
+
+    gb = jg.backward(jg.trace(scanned, params, x, y, param_argnums=0))
+    as_traced = xla_temp(jg.chunk_rows(gb, chunks=8))
+    budget = int(0.85 * as_traced)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jg.BudgetWarning)
+        gr = jg.remat(gb, budget=budget)
+    jg.check(gr)
+    info = gr.info["remat"]
+    assert info["chunked"] and "scans" in info["plan"], info["plan"]
+    assert xla_temp(gr) <= budget < as_traced
+    got, want = jg.compile(gr)(params, x, y), jax.value_and_grad(scanned)(params, x, y)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -55,22 +55,42 @@ XLA_RETRIES = 5
 MARGIN = 0.98  # each tightening aims this much below what was missed
 
 
-def problems(graph: Graph) -> dict[str, Problem]:
+def problems(graph: Graph, rederive=None, traced: Graph | None = None) -> dict[str, Problem]:
     """The graph (regions stripped) in each loop mode, as problems, by mode. A step graph (an
     optimizer update or other untagged eqns appended to what `backward` returned) keeps its
-    tail in every mode: the budget is the whole step's."""
-    plain = without_regions(graph)
-    found = {"loops as traced": Problem.of(plain)}
+    tail in every mode: the budget is the whole step's. `rederive` (Graph -> Graph: the loss
+    head over chunks of rows, ...) rewrites each mode's joint graph before the tail is appended
+    (`step_rewritten`); the first mode is then the graph as traced, rewritten (`traced`, when the
+    caller has it)."""
+    if traced is None:
+        traced = without_regions(graph) if rederive is None else step_rewritten(graph, rederive)
+    found = {"loops as traced": Problem.of(traced)}
     forward, tail = forward_and_tail(graph)
     if forward is None or not loops.has_loops(forward):
         return found
     for mode, (rewritten, policy) in loops.modes(forward).items():
         if mode != "loops as traced":
-            derived = without_regions(backward(rewritten, loop_policy=policy))
+            derived = backward(rewritten, loop_policy=policy)
+            derived = without_regions(derived if rederive is None else rederive(derived))
             derived = with_tail(derived, graph, tail) if tail else derived
             if derived is not None:
-                found[mode] = Problem.of(derived.replace(info=plain.info), mode)
+                found[mode] = Problem.of(derived.replace(info=traced.info), mode)
     return found
+
+
+def step_rewritten(graph: Graph, rederive) -> Graph:
+    """`graph` with `rederive` applied to what `backward` returned (its joint part) and its
+    tail appended again: `graph` (regions stripped) when it was changed otherwise."""
+    plain = without_regions(graph)
+    forward, tail = forward_and_tail(graph)
+    if forward is None:
+        return plain
+    again = without_regions(rederive(backward(forward) if tail else graph))
+    step = with_tail(again, graph, tail) if tail else again
+    if step is None:
+        return plain
+    info = {k: v for k, v in {**graph.info, **again.info}.items() if k != "backward_of"}
+    return step.replace(info=info)
 
 
 def forward_and_tail(graph: Graph):
@@ -121,17 +141,18 @@ def with_tail(derived: Graph, graph: Graph, tail) -> Graph | None:
 
 
 def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
-                       reference: int | None = None) -> Graph:
+                       reference: int | None = None, rederive=None) -> Graph:
     """See the module docstring. `finish` (Graph -> Graph, such as `jg.fuse_updates`) is
     applied to every graph a plan stands for, before XLA measures it: the plan space is that of
     the finished steps, and the graph returned is finished. `reference`: the no-remat temp a
     percentage budget is a share of, when `graph` is a rewrite of the graph the user gave (its
-    loss head in chunks); `graph`'s own by default."""
+    loss head in chunks); `graph`'s own by default. `rederive`: a rewrite of `graph`'s joint
+    part (the loss head over chunks of rows) planned in every loop mode (`problems`)."""
     started, validate.seconds = time.perf_counter(), 0.0
     if planner not in PLANNERS:
         raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
     kind, amount = parse_budget(budget)
-    plain = without_regions(graph)
+    plain = without_regions(graph) if rederive is None else step_rewritten(graph, rederive)
     done = plain if finish is None else finish(plain)
     if kind == "fraction" and amount >= 1:  # all of no remat's temp: no remat, uncompiled
         return _reported(done, {"planner": planner, "budget_given": budget}, "no remat",
@@ -146,7 +167,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     if finished <= target:
         return _reported(done, report, "no remat", _peak(done), finished, 0, 0.0,
                          started)
-    by_mode = problems(graph)
+    by_mode = problems(graph, rederive, plain)
     for problem in by_mode.values():
         problem.finish = finish
     used = _used(planner, by_mode)
