@@ -19,6 +19,7 @@ from jgraph.planner.cost import (
     eqn_cost,
     recompute_flops,
 )
+from jgraph.planner.plan import Segment
 from jgraph.planner.problem import Problem
 from jgraph.regions import without_regions
 
@@ -149,6 +150,84 @@ def test_the_milp_reaches_the_binomial_optimum(steps, slots, flops_only):
     plan = exact._Milp(stages, modes, slots << 20).solve(seconds=60)
     assert plan.label == "MILP, optimal"
     assert round(plan.cost) == fast.binomial_recompute(steps, slots) - (steps - 1)
+
+
+def simulated(plan, stages, costs):
+    """(recompute cost, peak bytes) of running `plan`'s segments as the builder does: a segment
+    advances from its start to its last child's start, storing each child's start, then runs its
+    children last to first, each child's start held until that child is done; a leaf runs its
+    stage's backward on its held start; the forward stores each top segment's start."""
+    b = [0] + [s.out_bytes for s in stages]  # b[j]: boundary j, the input of stage j
+    adv = [c.advance for c in costs]
+    total, peak = 0.0, 0
+
+    def run(seg, held):
+        nonlocal total, peak
+        if not seg.children:
+            assert seg.stop == seg.start + 1
+            total += costs[seg.start].leaf
+            peak = max(peak, held + costs[seg.start].leaf_peak)
+            return
+        starts = [c.start for c in seg.children]
+        assert starts[0] == seg.start and seg.children[-1].stop == seg.stop
+        total += sum(adv[seg.start:starts[-1]])
+        for i in reversed(range(len(starts))):
+            run(seg.children[i], held + sum(b[j] for j in starts[1:i + 1]))
+
+    tops, at = [], 0  # a stage in no segment, of no leaf cost, is a leaf the forward stored
+    for seg in plan.segments + (Segment(len(stages), len(stages)),):
+        while at < seg.start:
+            assert costs[at].leaf == 0
+            tops, at = tops + [Segment(at, at + 1)], at + 1
+        tops, at = tops + [seg], seg.stop
+    tops = tops[:-1]
+    for i in reversed(range(len(tops))):
+        total += exact.KEPT_BYTE_COST * b[tops[i].start]
+        run(tops[i], sum(b[s.start] for s in tops[1:i + 1]))
+    return total, peak
+
+
+def random_chains(seed, count=5):
+    """(stages, costs, budgets) of `count` chains of unequal stages, sizes in units of 64 bytes;
+    seed None: a chain where dropping a boundary and computing it again later is cheapest."""
+    if seed is None:
+        sizes, advance, leaf, peak = [1, 7, 3, 1, 2, 3], [4, 1, 2, 2, 3, 1], [3, 2, 3, 0, 3, 0], [
+            9, 4, 8, 3, 9, 10]
+        yield ([_Stage(64 * x) for x in sizes], [
+            StageCost(advance=float(a), leaf=float(f), leaf_peak=64 * p, kept_bytes=0,
+                      whole_peak=1 << 40, whole_bytes=0)
+            for a, f, p in zip(advance, leaf, peak, strict=True)], [15 * 64])
+        return
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        n = int(rng.integers(4, 9))
+        stages = [_Stage(int(rng.integers(1, 8)) * 64) for _ in range(n)]
+        costs = [StageCost(advance=float(rng.integers(1, 6)), leaf=float(rng.integers(0, 4)),
+                           leaf_peak=int(rng.integers(1, 12)) * 64, kept_bytes=0,
+                           whole_peak=1 << 40, whole_bytes=0) for _ in range(n)]
+        top = sum(s.out_bytes for s in stages) + max(c.leaf_peak for c in costs)
+        yield stages, costs, {int(x) // 64 * 64 for x in rng.uniform(0.2, 1.0, 4) * top}
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1, 2, 3])
+def test_the_milp_plans_what_the_builder_builds_at_the_dps_cost(seed):
+    """On chains of unequal stages, the MILP's plan (one mode per stage) costs what the DP's
+    does, exactly (the DP counts memory in the sizes' common unit here), and its segments, run
+    as the builder runs them, fit the budget at the cost the MILP claims. Without the rule
+    that a boundary stays held until its stage's backward, the MILP dropped a boundary and
+    computed it again later (cost 30, a schedule segments cannot say) and read it back as a
+    plan 64 bytes above its budget (seed None; the DP's plan costs 34)."""
+    for stages, costs, budgets in random_chains(seed):
+        for budget in budgets:
+            best = fast.ChainDP(stages, costs, budget).best(budget)
+            plan = exact._Milp(stages, [[(frozenset(), c)] for c in costs], budget).solve(20)
+            if best is None:
+                assert plan is None
+                continue
+            assert plan.label == "MILP, optimal"
+            assert plan.cost == pytest.approx(best[0], abs=1e-6)
+            cost, peak = simulated(plan, stages, costs)
+            assert cost == pytest.approx(plan.cost, abs=1e-6) and peak <= budget
 
 
 def test_a_planned_tanh_chain_recomputes_what_the_model_counts(flops_only):

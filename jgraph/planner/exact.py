@@ -14,6 +14,8 @@ Variables, for backward steps t = S-1 .. 0 (step t runs stage t's backward) and 
 Constraints: one mode per stage; stage t's backward (and its leaf recompute) needs boundary t
 held or computed at step t; R[t, j] <= S[t, j-1] + R[t, j-1] (a run advances from
 a held boundary); S[t-1, j] <= S[t, j] + R[t, j] (a boundary is held only once computed);
+S[t-1, j] >= S[t, j] (a boundary once held stays held until its stage's backward: without it
+the MILP drops a boundary and computes it again later, a schedule nested segments cannot say);
 H[t, j] >= S[t, j], S[t-1, j], and H[t, t] >= R[t, t]; and at every step t
 
     sum_j b_j H[t, j] + sum_{j<t, k} kept[j, k] y[j, k] + sum_k peak[t, k] y[t, k] <= budget
@@ -22,11 +24,13 @@ with `peak` the stage's backward peak in that mode (`jgraph.planner.chain.Stage.
 Objective: sum advance[j-1, k] A[t, j, k] + sum (leaf[t, k] + c kept[t, k]) y[t, k] +
 sum c b_j S[S-1, j], with c the memory traffic of a byte kept from the forward to the backward
 (`jgraph.planner.cost.KEPT_BYTE_COST`), plus a tie-breaking epsilon per held or computed
-boundary. In an optimum, the boundaries each step computes form a run from the highest held one,
-and the runs nest: the solution reads back as nested segments (`_segments`), the plan space of
-`jgraph.planner.fast`, where the modes are a global keep set instead of one per stage. The MILP
-is exact for the chain model (no memory discretization) and stops at `TIME_LIMIT` seconds with
-the best plan found (`AUTO_TIME_LIMIT` for `planner="auto"`). `small_enough`: what
+boundary. With the holding rule, in an optimum the boundaries each step computes form a run
+from the highest held one, and the runs nest: the solution reads back as nested segments
+(`_segments`), the plan space of `jgraph.planner.fast`, where the modes are a global keep set
+instead of one per stage. The MILP is exact for the chain model (no memory discretization;
+solved without HiGHS's presolve, which spoils MILPs of this kind now and then:
+`jgraph.planner.dag`) and stops at `TIME_LIMIT` seconds with the best plan found
+(`AUTO_TIME_LIMIT` for `planner="auto"`). `small_enough`: what
 `planner="auto"` solves here.
 """
 
@@ -127,6 +131,9 @@ class _Milp:
                           upper=0.0)
             for j in range(1, t):
                 self._row([(Sv[t - 1, j], 1.0), (Sv[t, j], -1.0), (R[t, j], -1.0)], upper=0.0)
+                # held until its stage's backward: dropping a boundary to compute it again
+                # later is a schedule nested segments cannot say (the builder builds those)
+                self._row([(Sv[t - 1, j], 1.0), (Sv[t, j], -1.0)], lower=0.0)
             if t >= 1:
                 self._row([(H[t, t], 1.0), (R[t, t], -1.0)], lower=0.0)  # the leaf's input
             for j in range(1, t + 1):
@@ -158,7 +165,7 @@ class _Milp:
         cost = np.asarray(self.cost) / max(max(self.cost), 1e-30)
         result = milp(cost, integrality=np.asarray(self.kind),
                       bounds=(0, 1), constraints=LinearConstraint(matrix, lower, upper),
-                      options={"time_limit": max(seconds, 1.0)})
+                      options={"time_limit": max(seconds, 1.0), "presolve": False})
         if result.x is None:
             return None
         x = np.round(result.x).astype(int)
