@@ -84,7 +84,7 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
     or error. `info["remat"]` says what was fused and chunked. A step left without its grads
     (`without_grads`) is planned as the step with them, whose loop modes the planner derives,
     and each graph measured leaves them out again; a percentage is of the step as given."""
-    finish = _fused if any(r in STATE_OF for r in graph.output_roles) else None
+    finish = _fused() if any(r in STATE_OF for r in graph.output_roles) else None
     reference, restored = None, with_grads(graph)
     if restored is not None:  # a step without its grads: planned with them, left out after
         reference = xla_temp(without_regions(graph))
@@ -167,19 +167,33 @@ def _memo(finish):
     return finished
 
 
-def _fused(graph: Graph) -> Graph:
-    """`graph` with its updates fused where its gradients are made; for a step that returns its
-    gradients, only when XLA places it in less temp (the stacked gradient stays; the moved
-    update may then cost more). `info["remat"]["fused"]` lists the params whose update moved."""
-    try:
-        fused = fuse_updates(graph)
-    except TransformError:
-        return graph
-    moved = [path for path, r in fused.info["fuse_updates"].items() if r.get("fused")]
-    if not moved or ("grad" in graph.output_roles and xla_temp(fused) >= xla_temp(graph)):
-        return graph
-    return fused.replace(info={**fused.info, "remat": {**fused.info.get("remat", {}),
-                                                       "fused": moved}})
+def _fused():
+    """Graph -> Graph: a step with its updates fused where its gradients are made; for a step
+    that returns its gradients, only when XLA places the fused step in less temp (the stacked
+    gradient stays; the moved update may then cost more), decided once, on the first graph
+    fused (the step as given, before any plan: the planner finishes hundreds of graphs, and
+    compiling each twice doubled its time). `info["remat"]["fused"]` lists the params whose
+    update moved."""
+    decided = []  # [bool] once XLA has compared a fused step with its unfused twin
+
+    def fused(graph: Graph) -> Graph:
+        if decided == [False]:
+            return graph
+        try:
+            moved_graph = fuse_updates(graph)
+        except TransformError:
+            return graph
+        moved = [path for path, r in moved_graph.info["fuse_updates"].items() if r.get("fused")]
+        if not moved:
+            return graph
+        if "grad" in graph.output_roles and not decided:
+            decided.append(xla_temp(moved_graph) < xla_temp(graph))
+        if decided == [False]:
+            return graph
+        return moved_graph.replace(info={**moved_graph.info, "remat": {
+            **moved_graph.info.get("remat", {}), "fused": moved}})
+
+    return fused
 
 
 def _chunked(graph: Graph, chunks: int) -> Graph | None:
