@@ -11,7 +11,6 @@ there); this module sits above it, the planner and the backward pass it drives, 
 
 from __future__ import annotations
 
-import re
 import warnings
 
 from jgraph.backward import rederived
@@ -123,9 +122,9 @@ def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None =
         try:
             planned = remat_under_budget(graph, budget, planner, finish, reference, rederive)
         except TransformError as e:
-            if "no plan fits" not in str(e):
+            if not hasattr(e, "least_temp"):  # not the planner's "no plan fits"
                 raise
-            return None, e, e, _least_in(str(e))
+            return None, e, e, e.least_temp
     warned = next((w.message for w in caught if issubclass(w.category, BudgetWarning)), None)
     for w in caught:
         if not issubclass(w.category, BudgetWarning):
@@ -135,12 +134,6 @@ def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None =
         planned = planned.replace(info={**planned.info, "remat": {
             **report, "chunked": chunked.info["chunk_rows"]["regions"]}})
     return planned, warned, None, report.get("xla_temp") or 0
-
-
-def _least_in(message: str) -> float:
-    """The least temp a planner error names (inf when it names none)."""
-    found = re.search(r"reaches is (\d+) bytes", message)
-    return int(found.group(1)) if found else float("inf")
 
 
 def _dropping(placeholder: bool, finish):

@@ -379,13 +379,15 @@ def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None 
     (`unplanned`: the temp of the graph as it runs without a plan, when it is finished)."""
     unplanned = no_remat if unplanned is None else unplanned
     if not tried or min(tried.values()) >= unplanned:
-        how = f"{unplanned} bytes, without remat"
+        least, how = unplanned, f"{unplanned} bytes, without remat"
     else:
         key = min(tried, key=tried.get)
-        how = f"{tried[key]} bytes, with the plan: {key}"
-    return TransformError(
+        least, how = tried[key], f"{tried[key]} bytes, with the plan: {key}"
+    error = TransformError(
         f"remat(budget={target} bytes): no plan fits; the smallest compiled temp a plan reaches "
         f"is {how} (no remat: {no_remat} bytes)")
+    error.least_temp = least  # for a caller weighing several attempts (`jgraph.remat`)
+    return error
 
 
 _PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
