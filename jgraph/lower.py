@@ -20,7 +20,11 @@ which a simplifier may legally fold to false) but a fact about two different val
 reasoning about the sign of `abs` proves, which XLA's simplifier does not do. The recompute
 therefore differs from the forward for CSE, and it cannot start before the anchor exists, i.e.
 before the backward has reached it. This holds with default flags, on every backend, inside a
-user's own jit and under vmap (tests count the recomputed dots in the compiled HLO).
+user's own jit and under vmap (tests count the recomputed dots in the compiled HLO). An eqn is
+left untainted where neither is at stake: its group's anchor is one of the graph's inputs (it
+waits for nothing: a loop body's recompute at the start of an iteration) and no other eqn of the
+graph is its twin for CSE (the forward original is in another body). A taint there only copied a
+value (a scanned MLP's 64 KiB weight slice per backward iteration).
 
 Where the tainted value is one XLA writes anyway (a forward contraction reads it) and its producer
 is an elementwise op that XLA:CPU would duplicate into the select, reading a value nothing after
@@ -69,9 +73,12 @@ def _anchorable(aval) -> bool:
 
 def protection_plan(graph: Graph):
     """For each `no_cse` eqn: (its group, the input position to taint, or None if it reads a value
-    the group already protects); for each group, the anchor variable it waits for (or None)."""
+    the group already protects or needs no taint: the module docstring); for each group, the
+    anchor variable it waits for (or None)."""
     plan, anchors = {}, []
     params = set(graph.inputs_with_role("param"))
+    originals = {_cse_key(e) for e in graph.eqns if "no_cse" not in e.tags}
+    inputs = set(graph.inputs)
     protected: set[Var] = set()  # outputs of no_cse eqns: already distinct from the forward
     latest = next((v for v in graph.inputs if _anchorable(v.aval)), None)
     varying = set(graph.inputs)  # values XLA cannot fold to constants
@@ -93,11 +100,25 @@ def protection_plan(graph: Graph):
                       for k, a in enumerate(eqn.inputs) if isinstance(a, Var)]
         candidates = [c for c in candidates if _taintable(eqn.inputs[c[2]].aval)]
         position = None
-        if latest is not None and candidates and not any(a in protected for a in eqn.inputs):
+        waits = anchors[-1] not in inputs  # the anchor is computed: the group waits for it
+        if (latest is not None and candidates and not any(a in protected for a in eqn.inputs)
+                and (waits or _cse_key(eqn) in originals | {None})):
             position = min(candidates)[2]  # the cheapest input to copy: the smallest non-param
         plan[eqn] = (len(anchors) - 1, position)
         protected.update(eqn.outputs)
     return plan, anchors
+
+
+def _cse_key(eqn: Eqn):
+    """What CSE compares of an eqn (its op, params and inputs), or None when its params do not
+    hash (then it is taken to have a twin)."""
+    key = (eqn.op, tuple(sorted(eqn.params.items())),
+           tuple(a if isinstance(a, Var) else ("literal", repr(a)) for a in eqn.inputs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 BUFFER_READERS = frozenset({"dot", "loop", "opaque"})  # `opkinds` kinds: read buffers, not fused
