@@ -58,7 +58,8 @@ def sigint_handler():
 LONGEST_FIRST = ("test_sharding.py", "test_remat_step.py", "test_planner.py",
                  "test_planner_step.py", "test_properties.py", "test_properties_training.py",
                  "test_planner_hand.py", "test_fusion_cuts.py", "test_interrupts.py",
-                 "test_real_models.py", "test_sweep_issue19.py", "test_properties_programs.py")
+                 "test_fused_interrupts.py", "test_real_models.py", "test_sweep_issue19.py",
+                 "test_properties_programs.py")
 
 
 def pytest_collection_modifyitems(config, items):
