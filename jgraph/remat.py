@@ -54,6 +54,16 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
     return apply_regions(graph, policy)
 
 
+def planned_then(graph: Graph, then, *, budget, planner: str = "auto",
+                 chunks: int | None = CHUNKS) -> Graph:
+    """`remat(graph, budget=...)` of the step that runs `then(graph)` (Graph -> Graph: what the
+    caller appends to every graph, such as the non-finite guard of `jg.Optimizer`): `then` is
+    applied to each graph the planner measures and to the one returned, and a percentage is of
+    `then(graph)`'s temp without remat."""
+    validate(graph, "jg.remat")
+    return _planned(graph, budget, planner, chunks, then)
+
+
 def _loops(graph: Graph) -> list[Eqn]:
     """Forward loops and conds on the gradient path (their backward is a loop or a cond too)."""
     bwd = {e.op for e in graph.eqns if "backward" in e.tags}
@@ -73,7 +83,7 @@ def _with_policy_in_loops(graph: Graph, policy) -> Graph:
 
 
 # -- below what recomputation reaches ------------------------------------------------------------
-def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
+def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) -> Graph:
     """The plan under `budget` over a plan space beyond recomputation: a step graph's updates
     are fused where their gradients are made (`jg.fuse_updates`, in every graph the planner
     measures), and the loss head of a graph `jg.backward` returned, run over chunks of rows
@@ -83,11 +93,15 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None) -> Graph:
     or error. `info["remat"]` says what was fused and chunked. A step left without its grads
     (`without_grads`) is planned as the step with them, whose loop modes the planner derives,
     and each graph measured leaves them out again; a percentage is of the step as given."""
-    finish = _fused() if any(r in STATE_OF for r in graph.output_roles) else None
+    finish = _fused(then) if any(r in STATE_OF for r in graph.output_roles) else None
     reference, restored = None, with_grads(graph)
     if restored is not None:  # a step without its grads: planned with them, left out after
         reference = xla_temp(without_regions(graph))
         graph, finish = restored[0], _dropping(restored[1], finish)
+    if then is not None:  # the step that runs: `then` last, and the percentage of its temp
+        given = without_regions(graph) if restored is None else without_regions(
+            without_grads(graph, placeholder=restored[1]))
+        reference, finish = xla_temp(then(given)), _then(finish, then)
     finish = _memo(finish)
     results = [_attempt(graph, budget, planner, finish, reference)]
     if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
@@ -146,6 +160,14 @@ def _dropping(placeholder: bool, finish):
     return finished
 
 
+def _then(finish, then):
+    """`finish`, then `then`."""
+    def finished(graph: Graph) -> Graph:
+        return then(graph if finish is None else finish(graph))
+
+    return finished
+
+
 def _memo(finish):
     """`finish`, computed once per graph (the planner finishes each mode's graph many times)."""
     if finish is None:
@@ -160,14 +182,16 @@ def _memo(finish):
     return finished
 
 
-def _fused():
+def _fused(then=None):
     """Graph -> Graph: a step with its updates fused where its gradients are made; for a step
-    that returns its gradients, only when XLA places the fused step in less temp (the stacked
-    gradient stays; the moved update may then cost more), decided once, on the first graph
-    fused (the step as given, before any plan: the planner finishes hundreds of graphs, and
-    compiling each twice doubled its time). `info["remat"]["fused"]` lists the params whose
-    update moved."""
+    that returns its gradients, or runs with `then` after it (a guard keeping the old state
+    beside the new), only when XLA places the fused step in less temp (the stacked gradient, or
+    the old state, stays; the moved update may then cost more), decided once, on the first
+    graph fused (the step as given, before any plan: the planner finishes hundreds of graphs,
+    and compiling each twice doubled its time). `info["remat"]["fused"]` lists the params
+    whose update moved."""
     decided = []  # [bool] once XLA has compared a fused step with its unfused twin
+    run = (lambda g: g) if then is None else then
 
     def fused(graph: Graph) -> Graph:
         if decided == [False]:
@@ -179,8 +203,8 @@ def _fused():
         moved = [path for path, r in moved_graph.info["fuse_updates"].items() if r.get("fused")]
         if not moved:
             return graph
-        if "grad" in graph.output_roles and not decided:
-            decided.append(xla_temp(moved_graph) < xla_temp(graph))
+        if ("grad" in graph.output_roles or then is not None) and not decided:
+            decided.append(xla_temp(run(moved_graph)) < xla_temp(run(graph)))
         if decided == [False]:
             return graph
         return moved_graph.replace(info={**moved_graph.info, "remat": {

@@ -180,12 +180,13 @@ class Optimizer(StateFiles, WholePeriods):
         grad = grad_step(bwd, self.remat, None if self.period == 1 else
                          lambda g: accumulate(g, self.period, self.loss), whole)
         opt = optimizer_step(grad, self.tx)
-        if whole:
-            opt = whole_step(bwd, opt, self.tx, self.remat)
         mode = self.on_nonfinite
+        # the step as it runs, guarded (planned with its guard: `whole_step`)
+        guard = None if mode == "ignore" else lambda g: with_guard(g, mode)  # noqa: E731
+        run = whole_step(bwd, opt, self.tx, self.remat, guard) if whole else with_guard(opt, mode)
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
         graphs = {"forward": fwd, "grad": with_guard(grad, "ignore" if mode == "skip" else mode),
-                  "opt": with_guard(opt, mode), "reset": reset(opt, self.tx)}
+                  "opt": run, "reset": reset(opt, self.tx)}
         nargs = len(args)
         donate = self.static
         if self.period > 1:  # grad: (*args, acc, counter); opt: (*args, acc, counter, opt_state)

@@ -19,6 +19,7 @@ from jgraph.errors import BudgetWarning, TransformError
 from jgraph.fuse import without_grads
 from jgraph.ir import Graph
 from jgraph.planner.search import xla_temp
+from jgraph.remat import planned_then
 from jgraph.remat import remat as remat_transform
 from jgraph.training.optimizer_step import optimizer_step
 
@@ -83,11 +84,15 @@ def _warned(graph: Graph, caught) -> Graph:
     return graph
 
 
-def whole_step(bwd: Graph, opt: Graph, tx, remat) -> Graph:
+def whole_step(bwd: Graph, opt: Graph, tx, remat, guard) -> Graph:
     """The optimizer step of period 1 (`opt`: the update appended to `bwd` with `remat`)
-    without its gradients, `None` in their place; a budget is planned on the whole step
-    (`jg.remat` of it: loop modes, fused updates, the loss head in chunks) instead."""
+    without its gradients, `None` in their place, then `guard` (Graph -> Graph: the non-finite
+    guard; None: none). A budget is planned on the whole step as it runs, guard included
+    (`jg.remat` of it: loop modes, fused updates, the loss head in chunks) instead: the guard
+    keeps the old params and state beside the new until the step is known finite, and XLA
+    allocates that too."""
     if not (isinstance(remat, dict) and remat.get("budget") is not None):
-        return without_grads(opt, placeholder=True)
+        step = without_grads(opt, placeholder=True)
+        return step if guard is None else guard(step)
     step = without_grads(optimizer_step(bwd, tx), placeholder=True)
-    return apply_remat(step, remat)
+    return apply_remat(step, remat) if guard is None else planned_then(step, guard, **remat)
