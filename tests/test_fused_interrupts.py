@@ -24,31 +24,18 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import fused_interrupt_child as spec
 import numpy as np
 import pytest
+from child_process import IGNORING, ignores_sigint, read_output
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 MINUTE = 60.0  # seconds
-# starts a command with SIGINT ignored, as `nohup`, `cmd &` in a script and CI runners do
-IGNORING = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 NTRAIN = int(0.75 * (spec.NDATA // spec.BATCH))  # training batches per epoch (val_split 0.25)
-
-
-def ignores_sigint(pid: int) -> bool:
-    """Whether process `pid` ignores SIGINT (SIG_IGN), from /proc; False where /proc is not."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return bool(int(fields.get("SigIgn", "0"), 16) >> (signal.SIGINT - 1) & 1)
 
 
 class Child:
@@ -68,16 +55,7 @@ class Child:
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.lines = queue.Queue()
         self.out, self.err = collections.deque(maxlen=30), collections.deque(maxlen=30)
-        for stream, tail in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=self._read, args=(stream, tail), daemon=True).start()
-
-    def _read(self, stream, tail):
-        for line in stream:
-            tail.append(line.rstrip())
-            if stream is self.proc.stdout:
-                self.lines.put(line.strip())
-        if stream is self.proc.stdout:
-            self.lines.put(None)  # end of output: the child exited
+        read_output(self.proc, self.lines, self.out, self.err)
 
     def fail(self, *what):
         """Fail the test now, with what the child printed."""
