@@ -93,15 +93,16 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     or error. `info["remat"]` says what was fused and chunked. A step left without its grads
     (`without_grads`) is planned as the step with them, whose loop modes the planner derives,
     and each graph measured leaves them out again; a percentage is of the step as given."""
+    given, reference = graph, None
     finish = _fused(then) if any(r in STATE_OF for r in graph.output_roles) else None
-    reference, restored = None, with_grads(graph)
+    restored = with_grads(graph)
     if restored is not None:  # a step without its grads: planned with them, left out after
-        reference = xla_temp(without_regions(graph))
         graph, finish = restored[0], _dropping(restored[1], finish)
-    if then is not None:  # the step that runs: `then` last, and the percentage of its temp
-        given = without_regions(graph) if restored is None else without_regions(
-            without_grads(graph, placeholder=restored[1]))
-        reference, finish = xla_temp(then(given)), _then(finish, then)
+    if then is not None:  # the step that runs: `then` last
+        finish = _then(finish, then)
+    if restored is not None or then is not None:  # a percentage of the step given, as it runs
+        given = without_regions(given)
+        reference = xla_temp(given if then is None else then(given))
     finish = _memo(finish)
     results = [_attempt(graph, budget, planner, finish, reference)]
     if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
