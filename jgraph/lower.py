@@ -77,7 +77,7 @@ def protection_plan(graph: Graph):
     anchor variable it waits for (or None)."""
     plan, anchors = {}, []
     params = set(graph.inputs_with_role("param"))
-    originals = {_cse_key(e) for e in graph.eqns if "no_cse" not in e.tags}
+    originals: set = set()  # what CSE compares of the other eqns, once a group needs it
     inputs = set(graph.inputs)
     protected: set[Var] = set()  # outputs of no_cse eqns: already distinct from the forward
     latest = next((v for v in graph.inputs if _anchorable(v.aval)), None)
@@ -101,8 +101,10 @@ def protection_plan(graph: Graph):
         candidates = [c for c in candidates if _taintable(eqn.inputs[c[2]].aval)]
         position = None
         waits = anchors[-1] not in inputs  # the anchor is computed: the group waits for it
+        if not waits and not originals:
+            originals = {_cse_key(e) for e in graph.eqns if "no_cse" not in e.tags} | {None}
         if (latest is not None and candidates and not any(a in protected for a in eqn.inputs)
-                and (waits or _cse_key(eqn) in originals | {None})):
+                and (waits or _cse_key(eqn) in originals)):
             position = min(candidates)[2]  # the cheapest input to copy: the smallest non-param
         plan[eqn] = (len(anchors) - 1, position)
         protected.update(eqn.outputs)
