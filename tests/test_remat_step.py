@@ -117,3 +117,37 @@ def test_a_mesh_with_a_period_plans_its_shard_step_alike():
     assert on_mesh["xla_temp"] == alone["xla_temp"]
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_guarded_step_with_a_period_is_planned_as_it_runs():
+    """`on_nonfinite="raise"` (`jg.fit`'s default) runs each accumulated micro-step behind a
+    guard that keeps the old accumulator beside the new until the step is known finite: the
+    budget is planned on that guarded step, so the temp the plan reports is the temp of the
+    step that runs (a percentage of the guarded step without remat, its checkpoints left
+    out). Planned without its guard,
+    the reported temp was the unguarded step's. Training equals no remat."""
+    from jgraph.regions import without_regions
+    from jgraph.training.guard import with_guard
+
+    params, x, y = setup(256)
+    runs = {}
+    for remat in (None, {"budget": "50%"}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jg.BudgetWarning)
+            opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=2,
+                               remat=remat, on_nonfinite="raise")
+            state = opt.init(params, x[:128], y[:128])
+        for k in range(4):
+            half = slice(k % 2 * 128, k % 2 * 128 + 128)
+            state = opt.step(state, x[half], y[half])[0]
+        runs[str(remat)] = (opt.graphs["grad"], state.params)
+    grad, trained = runs[str({"budget": "50%"})]
+    info = grad.info["remat"]
+    bwd = jg.backward(opt.graphs["forward"])
+    guarded = with_guard(accumulate(without_regions(bwd), 2, "cross_entropy"), "raise")
+    assert grad.info["finite_output"] is not None  # the step that runs is the guarded one
+    assert info["xla_temp"] == xla_temp(grad)
+    assert info["budget"] == int(0.5 * xla_temp(guarded))
+    assert (info["xla_temp"] <= info["budget"]) != bool(info.get("unmet"))
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(runs["None"][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ import pytest
 
 import jgraph as jg
 from jgraph.training import NonFiniteError, StateFileError, guard_nonfinite
+from jgraph.training.guard import unguarded
 from jgraph.training.state_io import FORMAT_VERSION, MAGIC
 
 RNG = np.random.default_rng(0)
@@ -69,6 +70,11 @@ def test_guard_adds_one_finite_output_and_keeps_old_state_when_not_finite():
     assert not finite(plain(P0, bad, state)[2])  # unguarded, the NaN lands in the params
     with pytest.raises(jg.TransformError, match="already guarded"):
         guard_nonfinite(guarded)
+    undone = unguarded(guarded)  # the guard undone: the graph it was given
+    assert (undone.eqns, undone.outputs, undone.output_roles, undone.out_tree, undone.info) == (
+        go.eqns, go.outputs, go.output_roles, go.out_tree, go.info)
+    with pytest.raises(jg.TransformError, match="not guarded"):
+        unguarded(go)
     with pytest.raises(jg.TransformError, match="unknown state roles"):
         guard_nonfinite(go, keep=("weights",))
 

@@ -69,8 +69,23 @@ def guard_nonfinite(graph: Graph, keep=()) -> Graph:
         outputs=tuple(outputs) + (ok,),
         output_roles=graph.output_roles + ("metric",),
         out_tree=tuple_tree([*call_parts(graph.out_tree, "guard_nonfinite"), LEAF]),
-        info={**graph.info, "finite_output": len(outputs)},
+        info={**graph.info, "finite_output": len(outputs),
+              "guarded": (len(graph.eqns), graph.outputs, graph.output_roles, graph.out_tree)},
     )
+
+
+def unguarded(graph: Graph) -> Graph:
+    """The graph `guard_nonfinite` was given, from the guarded graph it returned (or one whose
+    info alone changed since): its eqns were appended, its outputs replaced."""
+    record = graph.info.get("guarded")
+    if record is None:
+        raise TransformError("unguarded: the graph is not guarded (no guard_nonfinite record)")
+    neqns, outputs, roles, out_tree = record
+    if graph.output_roles[-1:] != ("metric",) or len(graph.eqns) < neqns:
+        raise TransformError("unguarded: the guarded graph was changed after guard_nonfinite")
+    info = {k: v for k, v in graph.info.items() if k not in ("finite_output", "guarded")}
+    return graph.replace(eqns=graph.eqns[:neqns], outputs=outputs, output_roles=roles,
+                         out_tree=out_tree, info=info)
 
 
 def _present(graph: Graph, roles) -> tuple:

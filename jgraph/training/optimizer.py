@@ -177,15 +177,17 @@ class Optimizer(StateFiles, WholePeriods):
             return self._mesh_build(fwd, loss_fn, has_aux, arguments, model, keys, x, y)
         bwd = backward(fwd)
         whole = self.period == 1 and plan is None  # the step reads its gradients, nobody else
-        grad = grad_step(bwd, self.remat, None if self.period == 1 else
-                         lambda g: accumulate(g, self.period, self.loss), whole)
-        opt = optimizer_step(grad, self.tx)
         mode = self.on_nonfinite
-        # the step as it runs, guarded (planned with its guard: `whole_step`)
-        guard = None if mode == "ignore" else lambda g: with_guard(g, mode)  # noqa: E731
-        run = whole_step(bwd, opt, self.tx, self.remat, guard) if whole else with_guard(opt, mode)
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
-        graphs = {"forward": fwd, "grad": with_guard(grad, "ignore" if mode == "skip" else mode),
+        grad_mode = "ignore" if mode == "skip" else mode
+        # each step planned as it runs, guarded (`grad_step`, `whole_step`)
+        guard = None if mode == "ignore" else lambda g: with_guard(g, mode)  # noqa: E731
+        grad = grad_step(bwd, self.remat, None if self.period == 1 else
+                         lambda g: accumulate(g, self.period, self.loss), whole,
+                         None if grad_mode == "ignore" else lambda g: with_guard(g, grad_mode))
+        opt = optimizer_step(grad, self.tx)
+        run = whole_step(bwd, opt, self.tx, self.remat, guard) if whole else with_guard(opt, mode)
+        graphs = {"forward": fwd, "grad": with_guard(grad, grad_mode),
                   "opt": run, "reset": reset(opt, self.tx)}
         nargs = len(args)
         donate = self.static

@@ -21,6 +21,7 @@ from jgraph.ir import Graph
 from jgraph.planner.search import xla_temp
 from jgraph.remat import planned_then
 from jgraph.remat import remat as remat_transform
+from jgraph.training.guard import unguarded
 from jgraph.training.optimizer_step import optimizer_step
 
 
@@ -34,19 +35,23 @@ def apply_remat(graph: Graph, remat):
     return remat_transform(graph, policy=remat)
 
 
-def grad_step(bwd: Graph, remat, accumulate, whole: bool = False) -> Graph:
+def grad_step(bwd: Graph, remat, accumulate, whole: bool = False, guard=None) -> Graph:
     """The gradient micro-step: `accumulate(graph)` (None: no period) of `bwd` with `remat`.
     `whole`: the step that runs is the optimizer step, a budget is planned there
-    (`whole_step`), so the gradient step is `bwd` with no plan."""
+    (`whole_step`), so the gradient step is `bwd` with no plan. `guard` (Graph -> Graph that
+    `guard_nonfinite`s; None: none): how the accumulated step runs. A budget is planned and
+    measured on the guarded step (the guard keeps the old accumulator beside the new, and XLA
+    allocates that too); the step returned is left unguarded."""
     if whole and isinstance(remat, dict) and remat.get("budget") is not None:
         return bwd
     if accumulate is None:
         return apply_remat(bwd, remat)
     if not (isinstance(remat, dict) and remat.get("budget") is not None):
         return accumulate(apply_remat(bwd, remat))
+    runs = (lambda g: g) if guard is None else guard  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
-        on_step = apply_remat(accumulate(bwd), remat)
+        on_step = _planned(accumulate(bwd), remat, guard)
         report = on_step.info["remat"]
         if report.get("xla_temp") is None or (report["plan"] == "no remat"
                                                and not report.get("unmet")):
@@ -57,7 +62,7 @@ def grad_step(bwd: Graph, remat, accumulate, whole: bool = False) -> Graph:
             return _warned(on_step, caught)
     budget, planned = report["budget"], before.info.get("remat") or {}
     other = before.replace(info={**before.info, "remat": {
-        **planned, "budget": budget, "xla_temp": xla_temp(before),
+        **planned, "budget": budget, "xla_temp": xla_temp(runs(before)),
         "planned_on": "the backward step, before accumulation"}})
     steps = [on_step, other]
     fitting = [g for g in steps if g.info["remat"]["xla_temp"] <= budget]
@@ -69,6 +74,14 @@ def grad_step(bwd: Graph, remat, accumulate, whole: bool = False) -> Graph:
     chosen = chosen.replace(info={**chosen.info, "remat": {
         **chosen.info["remat"], "unmet": unmet}})
     return _warned(chosen, caught)
+
+
+def _planned(step: Graph, remat: dict, guard) -> Graph:
+    """`step` planned under `remat`'s budget as `guard(step)` runs (a percentage is of the
+    guarded step), returned unguarded."""
+    if guard is None:
+        return apply_remat(step, remat)
+    return unguarded(planned_then(step, guard, **remat))
 
 
 def _warned(graph: Graph, caught) -> Graph:
