@@ -184,13 +184,14 @@ def _memo(finish):
 
 
 def _fused(then=None):
-    """Graph -> Graph: a step with its updates fused where its gradients are made; for a step
-    that returns its gradients, or runs with `then` after it (a guard keeping the old state
-    beside the new), only when XLA places the fused step in less temp (the stacked gradient, or
-    the old state, stays; the moved update may then cost more), decided once, on the first
-    graph fused (the step as given, before any plan: the planner finishes hundreds of graphs,
-    and compiling each twice doubled its time). `info["remat"]["fused"]` lists the params
-    whose update moved."""
+    """Graph -> Graph: a step with its updates fused where its gradients are made, only when
+    XLA places the fused step, run with `then` after it, in less temp: where the step returns
+    its gradients or its accumulators, or a guard keeps the old state beside the new, the
+    stacked gradient stays and the moved update may cost more (a 16-layer scanned MLP's adam
+    step with a period of 2: 2.46 MB fused against 1.80 MB). Decided once, on the first graph
+    fused (the step as given, before any plan: the planner finishes hundreds of graphs, and
+    compiling each twice doubled its time). `info["remat"]["fused"]` lists the params whose
+    update moved."""
     decided = []  # [bool] once XLA has compared a fused step with its unfused twin
     run = (lambda g: g) if then is None else then
 
@@ -204,7 +205,7 @@ def _fused(then=None):
         moved = [path for path, r in moved_graph.info["fuse_updates"].items() if r.get("fused")]
         if not moved:
             return graph
-        if ("grad" in graph.output_roles or then is not None) and not decided:
+        if not decided:
             decided.append(xla_temp(run(moved_graph)) < xla_temp(run(graph)))
         if decided == [False]:
             return graph

@@ -170,3 +170,22 @@ def test_a_guarded_step_is_planned_as_it_runs(mode):
     info = opt.graphs["opt"].info["remat"]
     assert info["xla_temp"] == temps[str(remat)] <= info["budget"]
     assert info["budget"] == int(0.5 * temps["None"]) and not info.get("fused")
+
+
+def test_a_step_returning_its_accumulators_is_fused_only_where_xla_says_it_helps():
+    """With a period the step returns its accumulated gradients, so a fused update removes no
+    stacked gradient and costs its own buffers: here the fused step took 2.46 MB of temp against
+    1.80 MB, and `jg.remat(budget=)` returned it, above the step without a plan. The planner
+    now fuses only where XLA places the fused step in less temp."""
+    ws, x = setup(layers=16, width=128, batch=64)
+    tx = optax.adam(1e-3)
+    gb = jg.backward(jg.trace(chain, ws, x, param_argnums=0))
+    step = jg.optimizer_step(jg.accumulate(gb, 2, "sum"), tx)
+    fused = jg.fuse_updates(step)
+    assert any(r.get("fused") for r in fused.info["fuse_updates"].values())
+    assert xla_temp(fused) > xla_temp(step)  # what makes the rule matter here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jg.BudgetWarning)
+        planned = jg.remat(step, budget="50%")
+    assert xla_temp(planned) == planned.info["remat"]["xla_temp"] <= xla_temp(step)
+    assert not planned.info["remat"].get("fused")

@@ -34,6 +34,7 @@ period, in the optimizer step; `state.grad_acc` then holds one partial sum per d
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgraph.backward import backward
-from jgraph.errors import JGraphError, TransformError
+from jgraph.errors import BudgetWarning, JGraphError, TransformError
 from jgraph.ir import Graph
 from jgraph.lower import as_function
 from jgraph.trace import trace
@@ -76,7 +77,7 @@ from jgraph.training.mesh_steps import MeshSteps
 from jgraph.training.optimizer_io import StateFiles
 from jgraph.training.optimizer_step import optimizer_step
 from jgraph.training.period import WholePeriods
-from jgraph.training.remat_step import grad_step, whole_step
+from jgraph.training.remat_step import grad_step, one_warning, period_step, whole_step
 from jgraph.training.reset import reset
 from jgraph.training.train_state import StepOutput, TrainState
 
@@ -182,11 +183,19 @@ class Optimizer(StateFiles, WholePeriods):
         grad_mode = "ignore" if mode == "skip" else mode
         # each step planned as it runs, guarded (`grad_step`, `whole_step`)
         guard = None if mode == "ignore" else lambda g: with_guard(g, mode)  # noqa: E731
-        grad = grad_step(bwd, self.remat, None if self.period == 1 else
-                         lambda g: accumulate(g, self.period, self.loss), whole,
-                         None if grad_mode == "ignore" else lambda g: with_guard(g, grad_mode))
-        opt = optimizer_step(grad, self.tx)
-        run = whole_step(bwd, opt, self.tx, self.remat, guard) if whole else with_guard(opt, mode)
+        summed = None if self.period == 1 else lambda g: accumulate(g, self.period, self.loss)
+        with warnings.catch_warnings(record=True) as caught:  # one warning for both steps
+            warnings.simplefilter("always", BudgetWarning)
+            grad = grad_step(bwd, self.remat, summed, whole,
+                             None if grad_mode == "ignore" else lambda g: with_guard(g, grad_mode))
+            opt = optimizer_step(grad, self.tx)
+            if whole:
+                run = whole_step(bwd, opt, self.tx, self.remat, guard)
+            elif summed is not None and plan is None:
+                run = period_step(bwd, opt, summed, self.tx, self.remat, guard)
+            else:
+                run = with_guard(opt, mode)
+        one_warning(caught)
         graphs = {"forward": fwd, "grad": with_guard(grad, grad_mode),
                   "opt": run, "reset": reset(opt, self.tx)}
         nargs = len(args)

@@ -6,6 +6,9 @@ before accumulation (whose nesting XLA may place in less memory once accumulatio
 compiles both accumulated steps, and keeps the cheapest that fits the budget, or else the one
 XLA places in the least temp (`info["remat"]["xla_temp"]` is then that step's).
 
+The step that ends a period (the update appended) is planned too (`period_step`), guard
+included: it holds the params, optimizer state and accumulators at once.
+
 Without a period, the optimizer step is the step that runs: `whole_step` leaves its gradients
 out (nothing reads them; the update fused where they are made then leaves no stacked gradient)
 and plans a budget on the whole step, update included.
@@ -95,6 +98,33 @@ def _warned(graph: Graph, caught) -> Graph:
                         "of XLA temp on the accumulated step)")
         warnings.warn(message, BudgetWarning, stacklevel=4)
     return graph
+
+
+def period_step(bwd: Graph, opt: Graph, accumulate, tx, remat, guard) -> Graph:
+    """The step that ends a period (`opt`: the accumulated micro-step with the update appended)
+    as it runs, `guard` (Graph -> Graph; None: none) last. A budget is planned on it too, guard
+    included (a percentage of its own temp without remat): it reads the accumulators and writes
+    the params and optimizer state, and with "raise" or "skip" keeps the old state beside the
+    new, so it can need more than the micro-steps planned by `grad_step`."""
+    if not (isinstance(remat, dict) and remat.get("budget") is not None):
+        return opt if guard is None else guard(opt)
+    step = optimizer_step(accumulate(bwd), tx)
+    return apply_remat(step, remat) if guard is None else planned_then(step, guard, **remat)
+
+
+def one_warning(caught, stacklevel: int = 4) -> None:
+    """Warn again what `warnings.catch_warnings(record=True)` caught: the BudgetWarnings of the
+    steps planned as one (each step's message), the others as they were."""
+    budgets = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+    for w in caught:
+        if not issubclass(w.category, BudgetWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if len(budgets) == 1:
+        warnings.warn(budgets[0], BudgetWarning, stacklevel=stacklevel)
+    elif budgets:
+        warnings.warn(f"remat: {len(budgets)} steps miss the budget: the micro-step: {budgets[0]}"
+                      f"; the step ending the period: {budgets[1]}", BudgetWarning,
+                      stacklevel=stacklevel)
 
 
 def whole_step(bwd: Graph, opt: Graph, tx, remat, guard) -> Graph:
