@@ -20,11 +20,13 @@ A batch is searched from the temp's slope in the batch (XLA's temp is close to a
 two compiles place it, a few more confirm it (the largest fitting batch, the next one not).
 
     python -m benchmarks.bench_max_batch [--quick] [models...]
+    python -m benchmarks.bench_max_batch MODEL --time-at JAX_ARRANGEMENT JAX_BATCH JGRAPH_BATCH
 
 Models: `scanlm-4096`, `scanlm-32768` (the 8-layer transformer LM of `bench_planner`, d 256,
 seq 128, 4 heads, layers in a `lax.scan`) and their unrolled twins `lm-4096`, `lm-32768`.
 `--quick`: only batches, no timing; JAX's arrangements with barriers kept only (no remat with
-both), `dots_with_no_batch_dims` left out.
+both), `dots_with_no_batch_dims` left out. `--time-at`: the time ratio alone, at the batches an
+earlier run found.
 """
 
 from __future__ import annotations
@@ -230,11 +232,43 @@ def format_rows(results) -> list[str]:
     return lines
 
 
+def time_at(name: str, jax_label: str, jax_batch: int, jg_batch: int) -> float:
+    """The time ratio alone, at batches an earlier run found (`--time-at`): jgraph's step is
+    planned at `jg_batch` under the model's fixed memory (it must fit) and timed against JAX's
+    `jax_label` arrangement at `jax_batch`."""
+    plain, params, hand, vocab = model(name)
+    cap = jax_temp(plain, params, BASE_BATCH)
+    arrangement, flags = jax_label.rsplit(", ", 1)
+    if arrangement not in hand or flags not in ("XLA defaults", "barriers kept"):
+        raise SystemExit(f"--time-at: unknown arrangement {jax_label!r}; known: "
+                         f"{[h + ', barriers kept' for h in hand]} (or ', XLA defaults')")
+    options = KEEP_BARRIERS if flags == "barriers kept" else None
+    if jax_temp(hand[arrangement], params, jax_batch, options) > cap:
+        raise SystemExit(f"--time-at: JAX's {jax_label} at batch {jax_batch} does not fit")
+    graph = jgraph_step_graph(plain, params, jg_batch, vocab, cap)
+    if graph is None:
+        raise SystemExit(f"--time-at: jgraph's step at batch {jg_batch} does not fit")
+    return time_per_example(hand, jax_label, params, graph, jax_batch, jg_batch, vocab)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help="scanlm-4096 scanlm-32768 lm-4096 lm-32768")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--time-at", nargs=3, metavar=("JAX_ARRANGEMENT", "JAX_BATCH",
+                                                      "JGRAPH_BATCH"),
+                        help="only time one model (the one named) at the largest batches an "
+                        "earlier run found, e.g. 'scan(checkpoint(body, nothing_saveable)), "
+                        "barriers kept' 12 171")
     args = parser.parse_args(argv)
+    if args.time_at:
+        if len(args.models) != 1:
+            raise SystemExit("--time-at times one model: name it")
+        label, jax_batch, jg_batch = args.time_at
+        ratio = time_at(args.models[0], label, int(jax_batch), int(jg_batch))
+        print(f"{args.models[0]}: jgraph at batch {jg_batch} over JAX's {label} at batch "
+              f"{jax_batch}, time per example: {ratio:.2f}x")
+        return
     results = []
     for name in args.models or ["scanlm-4096", "scanlm-32768", "lm-4096", "lm-32768"]:
         started = time.perf_counter()

@@ -189,3 +189,31 @@ def test_a_step_returning_its_accumulators_is_fused_only_where_xla_says_it_helps
         planned = jg.remat(step, budget="50%")
     assert xla_temp(planned) == planned.info["remat"]["xla_temp"] <= xla_temp(step)
     assert not planned.info["remat"].get("fused")
+
+
+def test_a_mesh_with_param_sharding_plans_and_fuses_the_whole_step():
+    """On a mesh (one device here; `tests/test_sharding.py` runs 2 to 8) with `param_sharding`,
+    period 1 plans the whole step as without a mesh: the update fused into the backward scan,
+    no gradients returned, the params kept in their sharding, training as optax's. The mesh
+    Optimizer used to plan the gradient step only and append the update unfused."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    ws, x = setup(batch=64)
+    tx = optax.adam(1e-3)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    runs = {}
+    for where in ("alone", "mesh"):
+        kw = {} if where == "alone" else {"mesh": mesh, "param_sharding": P(None, "data")}
+        opt = jg.Optimizer(chain, tx, loss="sum", remat={"budget": "50%"}, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jg.BudgetWarning)
+            state = opt.init(ws, x)
+        graph = opt.graphs["opt"]
+        assert "grad" not in graph.output_roles and graph.info["remat"]["fused"] == ["[0]"]
+        state, out = opt.step(state, x)
+        runs[where] = (graph.info["remat"]["xla_temp"], (out.loss, state.params, state.opt_state))
+    assert runs["mesh"][0] == runs["alone"][0]
+    assert state.params.sharding.spec == P(None, "data")
+    assert_close(runs["mesh"][1], reference_step(tx, ws, x, tx.init(ws)))
+    assert_close(runs["mesh"][1], runs["alone"][1])

@@ -122,10 +122,12 @@ class MeshSteps:
                                 out_shardings=rep), pace=self.pace, value_at=None)
 
     def whole(self, graph: Graph, has_opt: bool, donate=()):
-        """`grad` (value, grads) or `opt` (value, grads, params, opt_state) of period 1."""
+        """`grad` (value, grads) or `opt` (value, grads, params, opt_state) of period 1; the
+        grads are None in a step that leaves them out (`without_grads`: planned whole)."""
         rep = self.plan.replicated
         ins = (self.params, *self.data) + ((self.opt_state,) if has_opt else ())
-        outs = (rep, self.params) + ((self.params, self.opt_state) if has_opt else ())
+        grads = self.params if "grad" in graph.output_roles else None
+        outs = (rep, grads) + ((self.params, self.opt_state) if has_opt else ())
         if graph.info.get("finite_output") is not None:
             outs += (rep,)
         return MeshStep(jax.jit(as_function(graph), in_shardings=ins, out_shardings=outs,

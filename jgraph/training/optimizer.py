@@ -177,7 +177,7 @@ class Optimizer(StateFiles, WholePeriods):
         if plan is not None and self.period > 1:
             return self._mesh_build(fwd, loss_fn, has_aux, arguments, model, keys, x, y)
         bwd = backward(fwd)
-        whole = self.period == 1 and plan is None  # the step reads its gradients, nobody else
+        whole = self.period == 1  # the step reads its gradients, nobody else
         mode = self.on_nonfinite
         # "skip" checks updates only: a bad micro-batch poisons its period's accumulated gradient
         grad_mode = "ignore" if mode == "skip" else mode
