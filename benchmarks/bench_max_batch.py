@@ -25,8 +25,8 @@ two compiles place it, a few more confirm it (the largest fitting batch, the nex
 Models: `scanlm-4096`, `scanlm-32768` (the 8-layer transformer LM of `bench_planner`, d 256,
 seq 128, 4 heads, layers in a `lax.scan`) and their unrolled twins `lm-4096`, `lm-32768`.
 `--quick`: only batches, no timing; JAX's arrangements with barriers kept only (no remat with
-both), `dots_with_no_batch_dims` left out. `--time-at`: the time ratio alone, at the batches an
-earlier run found.
+both), `dots_with_no_batch_dims` left out. `--jax-only`: JAX's side alone (no planning, no
+timing). `--time-at`: the time ratio alone, at the batches an earlier run found.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def largest_batch(fits, low: int = BASE_BATCH, temp_of=None, cap: int | None = N
     return good
 
 
-def run_model(name: str, quick: bool) -> dict:
+def run_model(name: str, quick: bool, jax_only: bool = False) -> dict:
     plain, params, hand, vocab = model(name)
     cap = jax_temp(plain, params, BASE_BATCH)
     found = {"cap": cap, "jax": {}, "name": name}
@@ -186,6 +186,9 @@ def run_model(name: str, quick: bool) -> dict:
               file=sys.stderr)
         return g is not None
 
+    if jax_only:
+        found["jgraph"] = 0
+        return found
     low = max(1, found["jax_best"][1])
     found["jgraph"] = largest_batch(fits, low=low)
     if not quick and found["jgraph"] > 0:
@@ -260,6 +263,8 @@ def main(argv=None):
                         help="only time one model (the one named) at the largest batches an "
                         "earlier run found, e.g. 'scan(checkpoint(body, nothing_saveable)), "
                         "barriers kept' 12 171")
+    parser.add_argument("--jax-only", action="store_true",
+                        help="JAX's arrangements only (every one, unless --quick): no planning")
     args = parser.parse_args(argv)
     if args.time_at:
         if len(args.models) != 1:
@@ -272,7 +277,7 @@ def main(argv=None):
     results = []
     for name in args.models or ["scanlm-4096", "scanlm-32768", "lm-4096", "lm-32768"]:
         started = time.perf_counter()
-        results.append(run_model(name, args.quick))
+        results.append(run_model(name, args.quick, args.jax_only))
         print(f"# {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     print("\n".join(format_rows(results)))
 
