@@ -123,7 +123,7 @@ def one_warning(caught, stacklevel: int = 4) -> None:
         warnings.warn(budgets[0], BudgetWarning, stacklevel=stacklevel)
     elif budgets:
         warnings.warn(f"remat: {len(budgets)} steps miss the budget: the micro-step: {budgets[0]}"
-                      f"; the step ending the period: {budgets[1]}", BudgetWarning,
+                      f"; the step ending the period: {'; '.join(budgets[1:])}", BudgetWarning,
                       stacklevel=stacklevel)
 
 
