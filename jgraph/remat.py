@@ -119,8 +119,11 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     least = min(results, key=lambda r: r[3])
     graph_, problem = least[:2]
     if least is not results[0]:  # say which graph the figures are of
-        problem = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
-                                f"(jg.chunk_rows, chunks={chunks})")
+        said = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
+                             f"(jg.chunk_rows, chunks={chunks})")
+        if hasattr(problem, "least_temp"):
+            said.least_temp = problem.least_temp
+        problem = said
     if isinstance(problem, BudgetWarning):
         warnings.warn(problem, stacklevel=3)
         return graph_

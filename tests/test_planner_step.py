@@ -3,6 +3,7 @@ whole step (DESIGN: a budget is the compiled donated training step's): the updat
 what `jg.backward` returned, rides along in every loop mode the planner tries, so a scanned model
 gets its scan modes (a checkpointed body, split scans, keep-every-k) there too."""
 
+import re
 import warnings
 
 import jax
@@ -126,6 +127,26 @@ def test_a_budget_only_the_chunked_loss_head_meets_is_met(with_update):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_least_temp_reached_with_the_chunked_head_is_carried_by_the_error():
+    """When no plan fits and the least temp is reached with the loss head in chunks, the error
+    says so and still carries that least temp (`least_temp`, which callers weighing several
+    attempts read); the rewritten error had lost it."""
+    k = jax.random.split(jax.random.PRNGKey(2), 4)
+    params = {"w": jax.random.normal(k[0], (64, 64)) * 64**-0.5,
+              "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
+    x, y = jax.random.normal(k[2], (512, 64)), jax.random.randint(k[3], (512,), 0, 4096)
+
+    def head(p, x, y):
+        logits = jnp.tanh(x @ p["w"]) @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    gb = jg.backward(jg.trace(head, params, x, y, param_argnums=0))
+    with pytest.raises(jg.TransformError, match="reached with the loss head over chunks") as e:
+        jg.remat(gb, budget=1024)
+    said = int(re.search(r"reaches is (\d+) bytes", str(e.value)).group(1))
+    assert e.value.least_temp == said < xla_temp(gb)
 
 
 def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
