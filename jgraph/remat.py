@@ -11,6 +11,7 @@ there); this module sits above it, the planner and the backward pass it drives, 
 
 from __future__ import annotations
 
+import time
 import warnings
 
 from jgraph.backward import rederived
@@ -20,6 +21,7 @@ from jgraph.errors import BudgetWarning, TransformError
 from jgraph.fuse import STATE_OF, fuse_updates, with_grads, without_grads
 from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
+from jgraph.planner import validate as planner_validate
 from jgraph.planner.search import forward_and_tail, step_rewritten
 from jgraph.planner.validate import xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
@@ -114,10 +116,11 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
                                     _rows_in_chunks(chunks), chunked))
     fitting = [r for r in results if r[0] is not None and r[1] is None]
     if fitting:
-        return min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
-                                           r[0].info["remat"]["xla_temp"]))[0]
+        return _timed(min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
+                                                  r[0].info["remat"]["xla_temp"]))[0], results)
     least = min(results, key=lambda r: r[3])
     graph_, problem = least[:2]
+    graph_ = None if graph_ is None else _timed(graph_, results)
     if least is not results[0]:  # say which graph the figures are of
         said = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
                              f"(jg.chunk_rows, chunks={chunks})")
@@ -130,11 +133,22 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     raise problem
 
 
+def _timed(graph: Graph, results) -> Graph:
+    """`graph` with `planning_seconds` and `xla_seconds` summed over every attempt made."""
+    if len(results) == 1:
+        return graph
+    return graph.replace(info={**graph.info, "remat": {
+        **graph.info["remat"], "planning_seconds": sum(r[4] for r in results),
+        "xla_seconds": sum(r[5] for r in results)}})
+
+
 def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None = None,
              rederive=None, chunked: Graph | None = None):
     """(the planned graph or None, the BudgetWarning or TransformError it met or None, the
-    error when there is no graph, the least temp reached). `rederive`: the rewrite (the loss
-    head in chunks) planned in every loop mode; `chunked`: `graph` as traced, rewritten."""
+    error when there is no graph, the least temp reached, the seconds planning and the seconds
+    compiling it took). `rederive`: the rewrite (the loss head in chunks) planned in every loop
+    mode; `chunked`: `graph` as traced, rewritten."""
+    started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
         try:
@@ -142,7 +156,8 @@ def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None =
         except TransformError as e:
             if not hasattr(e, "least_temp"):  # not the planner's "no plan fits"
                 raise
-            return None, e, e, e.least_temp
+            spent, compiling = time.perf_counter() - started, planner_validate.seconds
+            return None, e, e, e.least_temp, spent - compiling, compiling
     warned = next((w.message for w in caught if issubclass(w.category, BudgetWarning)), None)
     for w in caught:
         if not issubclass(w.category, BudgetWarning):
@@ -151,7 +166,8 @@ def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None =
     if chunked is not None:
         planned = planned.replace(info={**planned.info, "remat": {
             **report, "chunked": chunked.info["chunk_rows"]["regions"]}})
-    return planned, warned, None, report.get("xla_temp") or 0
+    spent, compiling = time.perf_counter() - started, planner_validate.seconds  # this planning's
+    return planned, warned, None, report.get("xla_temp") or 0, spent - compiling, compiling
 
 
 def _dropping(placeholder: bool, finish):

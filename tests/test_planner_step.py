@@ -3,6 +3,7 @@ whole step (DESIGN: a budget is the compiled donated training step's): the updat
 what `jg.backward` returned, rides along in every loop mode the planner tries, so a scanned model
 gets its scan modes (a checkpointed body, split scans, keep-every-k) there too."""
 
+import importlib
 import re
 import warnings
 
@@ -147,6 +148,33 @@ def test_the_least_temp_reached_with_the_chunked_head_is_carried_by_the_error():
         jg.remat(gb, budget=1024)
     said = int(re.search(r"reaches is (\d+) bytes", str(e.value)).group(1))
     assert e.value.least_temp == said < xla_temp(gb)
+
+
+def test_the_planning_time_reported_covers_every_attempt(monkeypatch):
+    """A plan found with the loss head in chunks was planned twice (the graph as it is, then
+    chunked): `planning_seconds` and `xla_seconds` sum both attempts (a clock ticking 10 s per
+    reading in `jgraph.remat`, so each attempt spends 10 s, compiles included); they were the
+    chunked attempt's alone."""
+    import types
+
+    remat_module = importlib.import_module("jgraph.remat")
+    ticks = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(remat_module, "time", types.SimpleNamespace(
+        perf_counter=lambda: float(next(ticks))))
+    k = jax.random.split(jax.random.PRNGKey(2), 4)
+    params = {"w": jax.random.normal(k[0], (64, 64)) * 64**-0.5,
+              "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
+    x, y = jax.random.normal(k[2], (512, 64)), jax.random.randint(k[3], (512,), 0, 4096)
+
+    def head(p, x, y):
+        logits = jnp.tanh(x @ p["w"]) @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    gb = jg.backward(jg.trace(head, params, x, y, param_argnums=0))
+    gr = jg.remat(gb, budget=int(0.3 * xla_temp(gb)))
+    report = gr.info["remat"]
+    assert report["chunked"]
+    assert report["planning_seconds"] + report["xla_seconds"] == pytest.approx(20.0)
 
 
 def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
