@@ -59,6 +59,7 @@ def per_row(v, k: int) -> int:
 def find_head(graph: Graph, loss: Var, needs: set, seed) -> tuple[Head | None, str]:
     """The largest worthwhile head region of forward `graph` (None, and why, if there is none)."""
     candidates = {}
+    roles = dict(zip(graph.inputs, graph.input_roles, strict=True))
     for eqn in graph.eqns:
         if eqn.op != "reduce_sum" or eqn.outputs[0] not in needs or type(eqn.inputs[0]) is not Var:
             continue
@@ -66,7 +67,9 @@ def find_head(graph: Graph, loss: Var, needs: set, seed) -> tuple[Head | None, s
         k = 0
         while k in axes and k < len(shape):
             k += 1
-            candidates.setdefault((k, tuple(shape[:k])), []).append(eqn)
+            # a sum of a value read whole (a param) would be counted once per chunk
+            if is_row(eqn.inputs[0], k, shape[:k], roles):
+                candidates.setdefault((k, tuple(shape[:k])), []).append(eqn)
     if not candidates:
         return None, ("the loss is not a sum over rows: no reduce_sum on the gradient path "
                       "reduces the leading axes of a per-row value")
