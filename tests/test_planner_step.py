@@ -97,11 +97,8 @@ def test_a_step_whose_fused_updates_fit_gets_them():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("with_update", [False, True], ids=["gradient step", "adam step"])
-def test_a_budget_only_the_chunked_loss_head_meets_is_met(with_update):
-    """A wide vocabulary: the logits and their cotangent are most of the temp and no
-    recomputation removes them; the head over chunks of rows does (with the update appended to
-    the step, too)."""
+def wide_head():
+    """(loss, params, x, y): a 4096-word head over 512 rows, most of its step's temp."""
     k = jax.random.split(jax.random.PRNGKey(2), 4)
     params = {"w": jax.random.normal(k[0], (64, 64)) * 64**-0.5,
               "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
@@ -110,6 +107,16 @@ def test_a_budget_only_the_chunked_loss_head_meets_is_met(with_update):
     def head(p, x, y):
         logits = jnp.tanh(x @ p["w"]) @ p["out"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return head, params, x, y
+
+
+@pytest.mark.parametrize("with_update", [False, True], ids=["gradient step", "adam step"])
+def test_a_budget_only_the_chunked_loss_head_meets_is_met(with_update):
+    """A wide vocabulary: the logits and their cotangent are most of the temp and no
+    recomputation removes them; the head over chunks of rows does (with the update appended to
+    the step, too)."""
+    head, params, x, y = wide_head()
 
     tx = optax.sgd(0.1)
     gb = jg.backward(jg.trace(head, params, x, y, param_argnums=0))
@@ -134,14 +141,7 @@ def test_the_least_temp_reached_with_the_chunked_head_is_carried_by_the_error():
     """When no plan fits and the least temp is reached with the loss head in chunks, the error
     says so and still carries that least temp (`least_temp`, which callers weighing several
     attempts read); the rewritten error had lost it."""
-    k = jax.random.split(jax.random.PRNGKey(2), 4)
-    params = {"w": jax.random.normal(k[0], (64, 64)) * 64**-0.5,
-              "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
-    x, y = jax.random.normal(k[2], (512, 64)), jax.random.randint(k[3], (512,), 0, 4096)
-
-    def head(p, x, y):
-        logits = jnp.tanh(x @ p["w"]) @ p["out"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    head, params, x, y = wide_head()
 
     gb = jg.backward(jg.trace(head, params, x, y, param_argnums=0))
     with pytest.raises(jg.TransformError, match="reached with the loss head over chunks") as e:
@@ -161,14 +161,7 @@ def test_the_planning_time_reported_covers_every_attempt(monkeypatch):
     ticks = iter(range(0, 10_000, 10))
     monkeypatch.setattr(remat_module, "time", types.SimpleNamespace(
         perf_counter=lambda: float(next(ticks))))
-    k = jax.random.split(jax.random.PRNGKey(2), 4)
-    params = {"w": jax.random.normal(k[0], (64, 64)) * 64**-0.5,
-              "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
-    x, y = jax.random.normal(k[2], (512, 64)), jax.random.randint(k[3], (512,), 0, 4096)
-
-    def head(p, x, y):
-        logits = jnp.tanh(x @ p["w"]) @ p["out"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    head, params, x, y = wide_head()
 
     gb = jg.backward(jg.trace(head, params, x, y, param_argnums=0))
     gr = jg.remat(gb, budget=int(0.3 * xla_temp(gb)))
