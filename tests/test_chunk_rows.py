@@ -237,9 +237,12 @@ def test_a_language_models_last_mlp_and_tied_head_run_in_chunks():
     tokens = jnp.asarray(RNG.integers(0, vocab, (2, 7)), jnp.int32)
     gb = jg.backward(jg.trace(tiny_lm, p, tokens, param_argnums=0))
     gc = jg.check(jg.chunk_rows(gb, chunks=4))
-    (region,) = gc.info["chunk_rows"]["regions"]
-    # rows: (batch, seq); the region starts after the attention (which mixes positions)
-    assert region["rows"] == (2, 6) and region["row_inputs"][0] == "f32[2,6,4]"
+    head, blocks = sorted(gc.info["chunk_rows"]["regions"], key=lambda r: r["kind"] != "head")
+    # rows: (batch, seq); the head starts after the attention (which mixes positions), which
+    # runs over blocks of queries (`tests/test_chunk_blocks.py`)
+    assert head["rows"] == (2, 6) and head["row_inputs"][0] == "f32[2,6,4]"
+    assert blocks["kind"] == "blocks" and blocks["axis"] == 1
+    region = head
     assert {"tanh", "dot_general", "rsqrt", "exp"} <= set(region["ops"])
     want = jax.jit(jax.value_and_grad(tiny_lm))(p, tokens)
     assert max(relative_errors(compiled(gc, p, tokens), want)) < 1e-6

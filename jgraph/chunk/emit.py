@@ -65,7 +65,7 @@ def emit_scan(b: Builder, body: Graph, consts, carry, xs, length: int, final=Non
     params = {"body": body, "length": length, "reverse": False, "num_consts": len(consts),
               "num_carry": nk, "unroll": 1}
     b.eqns.append(Eqn("scan", tuple(consts) + tuple(carry) + tuple(xs), params, tuple(outs),
-                      b.tags))
+                      b.tags, b.regions, b.source))
     return outs[:nk], outs[nk:]
 
 

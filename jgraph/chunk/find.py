@@ -75,6 +75,9 @@ def find_head(graph: Graph, loss: Var, needs: set, seed) -> tuple[Head | None, s
                       "reduces the leading axes of a per-row value")
     reasons = []
     for (k, rows), sums in sorted(candidates.items(), key=lambda kv: -kv[0][0]):
+        if max(rows) < 2:  # one chunk would hold them all
+            reasons.append(f"rows {list(rows)}: a single row")
+            continue
         head, why = _head_for(graph, loss, needs, seed, k, rows, sums)
         if head is not None:
             return head, ""
@@ -142,9 +145,10 @@ def _post_pass(graph, loss, needs, seed, sums):
     return post, list(ct_eqns), cts
 
 
-def grow(graph, k, rows, ends, exclude=frozenset()) -> Head:
+def grow(graph, k, rows, ends, exclude=frozenset(), regions=None) -> Head:
     """The region: `ends` (the row sums, or eqns whose outputs anything may read) and,
-    backwards, every eqn not in `exclude` all of whose readers are in it and that maps rows."""
+    backwards, every eqn not in `exclude` all of whose readers are in it and that maps rows
+    (and, when `regions` is given, that is in those checkpoint regions)."""
     roles = dict(zip(graph.inputs, graph.input_roles, strict=True))
     readers: dict[Var, list[Eqn]] = {}
     for eqn in graph.eqns:
@@ -163,7 +167,9 @@ def grow(graph, k, rows, ends, exclude=frozenset()) -> Head:
         if any(tuple(v.aval.shape[:k]) != tuple(rows) for v in eqn.outputs):
             continue  # a constant of the region (no rows): read whole
         flags = tuple(is_row(a, k, rows, roles) for a in eqn.inputs)
-        why = _why_not(eqn, flags, k, rows, region, readers, outputs)
+        why = ("it is in other checkpoint regions" if regions is not None
+               and eqn.regions != regions else _why_not(eqn, flags, k, rows, region, readers,
+                                                        outputs))
         if why:
             head.stops.append((eqn, why))
             continue

@@ -51,7 +51,7 @@ def interior_regions(graph: Graph, exclude) -> list[Head]:
         if not any(f and per_row(a, k) > per_row(out, k) for a, f in zip(end.inputs, flags,
                                                                             strict=True)):
             continue
-        region = grow(graph, k, rows, [end], exclude=taken)
+        region = grow(graph, k, rows, [end], exclude=taken, regions=end.regions)
         region.sums_reduce = False
         if any(expands(e, region) for e in region.eqns):
             found.append(region)
@@ -82,8 +82,9 @@ def chunk_interior(graph: Graph, regions: list[Head], chunks: int) -> tuple[Grap
 
 def _chunked(region: Head, axis, size, n, rest) -> list[Eqn]:
     """The eqns computing the region's end (the same var) with scans over chunks."""
-    b = Builder()
-    out = region.sums[0].outputs[0]
+    end = region.sums[0]
+    b = Builder(tags=end.tags, regions=end.regions)  # where the end was
+    out = end.outputs[0]
     xs = [b.call(to_chunks, u, axis=axis, n=n, size=size)[0] for u in region.row_inputs]
     _, (ys,) = emit_scan(b, _body(region, chunk_shape(region.rows, axis, size)), region.consts,
                          [], xs, n)

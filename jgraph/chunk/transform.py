@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jgraph.backward import backward, forward_of, needs_gradient, reverse_pass, vjp_graph
 from jgraph.builder import Builder
 from jgraph.check import validate
+from jgraph.chunk.blocks import block_regions, chunk_blocks
 from jgraph.chunk.emit import (
     accumulate,
     accumulated,
@@ -56,15 +57,18 @@ DERIVED = frozenset({"grad", "new_accumulator", "new_param"})
 def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True) -> Graph:
     """`graph` (from `jg.backward`) with its loss head run over `chunks` chunks of rows, its
     backward in the same loop; with `interior`, also each row-independent region inside the
-    network that ends in a projection (a token-wise MLP: `jgraph.chunk.interior`), whose
-    backward loop recomputes each chunk.
+    network that ends in a projection (a token-wise MLP: `jgraph.chunk.interior`) and attention
+    over blocks of queries (`jgraph.chunk.blocks`), whose backward loops recompute each chunk,
+    in the graph and inside its scans' bodies (a scanned model's layer).
 
     The rows are split along one row axis (one the chunks divide if any): `ceil(rows / chunks)`
     rows per chunk, and one smaller chunk for the rows left when the chunks do not divide them.
     `info["chunk_rows"]` is `{"reason": None, "regions": [{...}, ...]}`, one entry per region
-    chunked (`kind` "head" or "interior") naming its ops, `rows`, the split `axis`, `chunks`,
-    `chunk_rows`, `remainder`, its row inputs and constants (the head's entry also its `eqns`,
-    first and last position in the forward graph); `head` says why the head was not chunked
+    chunked (`kind` "head", "interior" or "blocks") naming its ops, `rows`, the split `axis`,
+    `chunks`, `chunk_rows`, `remainder`, its row inputs and constants (the head's entry also its
+    `eqns`, first and last position in the forward graph; a block region's `rows` are its end's
+    shape, `axis` its block axis there, `read_whole` the keys and values every block reads; a
+    region inside a scan's body has `in`: "scan body"); `head` says why the head was not chunked
     when only interior regions were. When nothing was worth chunking it is `{"reason": why,
     "regions": []}` and the graph's eqns are unchanged. A graph that is not a backward graph,
     or chunks that are not a positive int, raise `TransformError`."""
@@ -88,9 +92,9 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True) -> Graph
     loss = forward.outputs_with_role("loss")[0]
     head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
     found = []
-    regions = interior_regions(forward, head.eqns if head else ()) if interior else []
-    if regions:  # the joint graph derived again from the forward with them in loops
-        forward, found = chunk_interior(forward, regions, chunks)
+    if interior:
+        forward, found = _network(forward, set(head.eqns if head else ()), chunks)
+    if found:  # the joint graph derived again from the forward with them in loops
         graph = backward(forward)
         seed = graph.info["loss_seed"]
         head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
@@ -110,6 +114,30 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True) -> Graph
         "consts": [short_aval(v.aval) for v in head.consts], "eqns_per_chunk": inner,
     })
     return joint.replace(info={**_info(graph), "chunk_rows": {"reason": None, "regions": found}})
+
+
+def _network(forward: Graph, exclude, chunks: int, computed: bool = False):
+    """(`forward` with its regions inside the network in loops over chunks, what was done):
+    token-wise MLPs, then attention over blocks of queries, then the same inside each scan's
+    body (a scanned model's layer), where only values computed in the body count as keys read
+    whole (its inputs are the layer's weights and carries)."""
+    loops = {e for e in forward.eqns if e.op == "scan" and e not in exclude}  # not ours
+    regions = interior_regions(forward, exclude)
+    taken = set(exclude) | {e for r in regions for e in r.eqns}
+    constants = set(forward.inputs) if computed else None
+    blocks = block_regions(forward, taken, constants)
+    forward, found = chunk_interior(forward, regions, chunks)
+    forward, more = chunk_blocks(forward, blocks, chunks)
+    found += more
+    eqns = list(forward.eqns)
+    for i, eqn in enumerate(eqns):
+        if eqn not in loops:
+            continue
+        body, inner = _network(eqn.params["body"], (), chunks, computed=True)
+        if inner:
+            eqns[i] = dataclasses.replace(eqn, params={**eqn.params, "body": body})
+            found += [{**r, "in": "scan body"} for r in inner]
+    return forward.replace(eqns=tuple(eqns)), found
 
 
 def _info(graph: Graph) -> dict:
