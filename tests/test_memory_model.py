@@ -181,7 +181,18 @@ def test_fused_and_chunked_steps_within_25_percent_of_xla():
     chunked = jg.chunk_rows(gb, chunks=8)
     assert chunked.info["chunk_rows"]["regions"]
     chunked_step = jg.fuse_updates(without_grads(jg.optimizer_step(chunked, tx)))
+    wq, wk = jax.random.normal(k[2], (2, 16, 16)) * 0.25
+    seq = jax.random.normal(k[3], (1, 256, 16))
+
+    def attention(wq, wk, x):  # causal, one head: over blocks of queries
+        s = jnp.where(jnp.tril(jnp.ones((256, 256), bool)), (x @ wq) @ (x @ wk).mT, -1e9)
+        return jnp.mean((x + jax.nn.softmax(s) @ x) ** 2)
+
+    blocks = jg.chunk_rows(jg.backward(jg.trace(attention, wq, wk, seq, param_argnums=(0, 1))),
+                           chunks=8)
+    assert [r["kind"] for r in blocks.info["chunk_rows"]["regions"]] == ["blocks"]
     cases = {"fused": (fused, (ws, x, tx.init(ws))), "chunked": (chunked, (params, xs, ys)),
-             "chunked, update appended": (chunked_step, (params, xs, ys, tx.init(params)))}
+             "chunked, update appended": (chunked_step, (params, xs, ys, tx.init(params))),
+             "attention over blocks": (blocks, (wq, wk, seq))}
     for name, (graph, args) in cases.items():
         assert 0.75 <= ratio(graph, args) <= 1.25, name  # 1.11, 1.03, 1.03 measured
