@@ -98,3 +98,18 @@ def test_a_region_inside_a_checkpoint_stays_in_it():
     assert loops[0].regions != loops[1].regions
     want = jax.jit(jax.value_and_grad(checkpointed_mlps))(p, x)
     assert relative_error(jg.compile(gc)(p, x), want) < 1e-6
+
+
+def test_a_budget_only_chunks_inside_the_body_reach_is_met():
+    tokens = jnp.asarray(RNG.integers(0, V, (1, 257)), jnp.int32)
+    gb = jg.backward(jg.trace(scanned_lm, PARAMS, tokens, param_argnums=0))
+    whole = jg.compiled_memory(gb, PARAMS, tokens).temp_bytes
+    budget = int(0.3 * whole)
+    with pytest.raises(jg.TransformError, match="no plan fits"):
+        jg.remat(gb, budget=budget, chunks=None)
+    gr = jg.remat(gb, budget=budget)
+    report = gr.info["remat"]
+    assert report["xla_temp"] <= budget
+    assert any(r.get("in") == "scan body" for r in report["chunked"]), report["chunked"]
+    want = jax.jit(jax.value_and_grad(scanned_lm))(PARAMS, tokens)
+    assert relative_error(jg.compile(gr)(PARAMS, tokens), want) < 1e-6

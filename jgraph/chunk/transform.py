@@ -54,12 +54,13 @@ from jgraph.passes import dce
 DERIVED = frozenset({"grad", "new_accumulator", "new_param"})
 
 
-def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True) -> Graph:
+def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
+               loops: bool = True) -> Graph:
     """`graph` (from `jg.backward`) with its loss head run over `chunks` chunks of rows, its
     backward in the same loop; with `interior`, also each row-independent region inside the
     network that ends in a projection (a token-wise MLP: `jgraph.chunk.interior`) and attention
     over blocks of queries (`jgraph.chunk.blocks`), whose backward loops recompute each chunk,
-    in the graph and inside its scans' bodies (a scanned model's layer).
+    in the graph and, with `loops`, inside its scans' bodies (a scanned model's layer).
 
     The rows are split along one row axis (one the chunks divide if any): `ceil(rows / chunks)`
     rows per chunk, and one smaller chunk for the rows left when the chunks do not divide them.
@@ -93,7 +94,7 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True) -> Graph
     head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
     found = []
     if interior:
-        forward, found = _network(forward, set(head.eqns if head else ()), chunks)
+        forward, found = _network(forward, set(head.eqns if head else ()), chunks, loops)
     if found:  # the joint graph derived again from the forward with them in loops
         graph = backward(forward)
         seed = graph.info["loss_seed"]
@@ -116,12 +117,12 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True) -> Graph
     return joint.replace(info={**_info(graph), "chunk_rows": {"reason": None, "regions": found}})
 
 
-def _network(forward: Graph, exclude, chunks: int, computed: bool = False):
+def _network(forward: Graph, exclude, chunks: int, loops: bool, computed: bool = False):
     """(`forward` with its regions inside the network in loops over chunks, what was done):
     token-wise MLPs, then attention over blocks of queries, then the same inside each scan's
     body (a scanned model's layer), where only values computed in the body count as keys read
     whole (its inputs are the layer's weights and carries)."""
-    loops = {e for e in forward.eqns if e.op == "scan" and e not in exclude}  # not ours
+    scans = {e for e in forward.eqns if loops and e.op == "scan" and e not in exclude}
     regions = interior_regions(forward, exclude)
     taken = set(exclude) | {e for r in regions for e in r.eqns}
     constants = set(forward.inputs) if computed else None
@@ -131,9 +132,9 @@ def _network(forward: Graph, exclude, chunks: int, computed: bool = False):
     found += more
     eqns = list(forward.eqns)
     for i, eqn in enumerate(eqns):
-        if eqn not in loops:
+        if eqn not in scans:  # (not the loops made here)
             continue
-        body, inner = _network(eqn.params["body"], (), chunks, computed=True)
+        body, inner = _network(eqn.params["body"], (), chunks, loops, computed=True)
         if inner:
             eqns[i] = dataclasses.replace(eqn, params={**eqn.params, "body": body})
             found += [{**r, "in": "scan body"} for r in inner]
