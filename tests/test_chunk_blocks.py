@@ -114,7 +114,8 @@ def test_attention_runs_over_blocks_of_queries(fn, params, chunks):
     assert region["read_whole"], region  # the keys (and values) read whole by every block
     want = jax.jit(jax.value_and_grad(fn))(params, X)
     assert relative_error(jg.compile(gc)(params, X), want) < 1e-6
-    assert relative_error(jg.evaluate(gc, params, X), jg.evaluate(gb, params, X)) < 1e-6
+    if chunks == 4:  # interpreted, eqn by eqn
+        assert relative_error(jg.evaluate(gc, params, X), jg.evaluate(gb, params, X)) < 1e-6
 
 
 def padded_lm(p, x, keep, y):  # a padding mask from the data and a loss head over a vocabulary
