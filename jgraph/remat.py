@@ -90,7 +90,8 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     are fused where their gradients are made (`jg.fuse_updates`, in every graph the planner
     measures), and the loss head of a graph `jg.backward` returned, run over chunks of rows
     (`jg.chunk_rows`), is an option beside the graph as it is, tried when the graph as it is
-    needs a plan, and so is that graph with the regions inside its loops' bodies chunked too.
+    needs a plan, and so is that graph with attention over blocks of queries and the regions
+    inside its loops' bodies chunked too.
     Of the options that meet the budget the one recomputing least is returned (then the
     smaller temp); when none does, the one reaching the least temp, with its warning or
     error. `info["remat"]` says what was fused and chunked. A step left without its grads
@@ -110,16 +111,17 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     results = [_attempt(graph, budget, planner, finish, reference)]
     if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
             and results[0][1] is None):
-        # the head and the regions between layers in chunks; then inside the loops' bodies too
-        # (a layer's MLP and attention), which can cost more than it saves in a loop mode
-        for loops in (False, True):
-            chunked = None if chunks is None else _chunked(graph, chunks, loops)
-            if chunked is None or (loops and not any(
-                    r.get("in") for r in chunked.info["chunk_rows"]["regions"])):
+        # the head and the token-wise MLPs in chunks; then attention over blocks of queries and
+        # the regions inside the loops' bodies too, which can cost more than they save in a plan
+        found = 0
+        for more in (False, True):
+            chunked = None if chunks is None else _chunked(graph, chunks, more)
+            if chunked is None or len(chunked.info["chunk_rows"]["regions"]) == found:
                 continue
+            found = len(chunked.info["chunk_rows"]["regions"])
             reference = reference or xla_temp(without_regions(graph))  # a share of the given
             results.append(_attempt(graph, budget, planner, finish, reference,
-                                    _rows_in_chunks(chunks, loops), chunked))
+                                    _rows_in_chunks(chunks, more), chunked))
     fitting = [r for r in results if r[0] is not None and r[1] is None]
     if fitting:
         return _timed(min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
@@ -240,22 +242,23 @@ def _fused(then=None):
     return fused
 
 
-def _chunked(graph: Graph, chunks: int, loops: bool = True) -> Graph | None:
+def _chunked(graph: Graph, chunks: int, more: bool = True) -> Graph | None:
     """The graph `jg.backward` returned (and the update appended since, if any) with its loss
     head over chunks of rows, or None when it has none worth chunking or was changed otherwise."""
     if forward_and_tail(graph)[0] is None:
         return None
-    chunked = step_rewritten(graph, _rows_in_chunks(chunks, loops))
+    chunked = step_rewritten(graph, _rows_in_chunks(chunks, more))
     return chunked if chunked.info.get("chunk_rows", {}).get("regions") else None
 
 
-def _rows_in_chunks(chunks: int, loops: bool = True):
+def _rows_in_chunks(chunks: int, more: bool = True):
     """Graph -> Graph: a joint graph with its loss head over `chunks` chunks of rows
-    (`jg.chunk_rows`), unchanged where it has none; applied in every loop mode the planner
+    (`jg.chunk_rows`; with `more`, attention over blocks of queries and the regions inside
+    loop bodies too), unchanged where it has none; applied in every loop mode the planner
     derives, so a scanned model's scan modes hold the chunked head too."""
     def rederive(joint: Graph) -> Graph:
         try:
-            return chunk_rows(joint, chunks=chunks, loops=loops)
+            return chunk_rows(joint, chunks=chunks, attention=more, loops=more)
         except TransformError:
             return joint
 

@@ -55,12 +55,13 @@ DERIVED = frozenset({"grad", "new_accumulator", "new_param"})
 
 
 def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
-               loops: bool = True) -> Graph:
+               attention: bool = True, loops: bool = True) -> Graph:
     """`graph` (from `jg.backward`) with its loss head run over `chunks` chunks of rows, its
     backward in the same loop; with `interior`, also each row-independent region inside the
     network that ends in a projection (a token-wise MLP: `jgraph.chunk.interior`) and attention
-    over blocks of queries (`jgraph.chunk.blocks`), whose backward loops recompute each chunk,
-    in the graph and, with `loops`, inside its scans' bodies (a scanned model's layer).
+    over blocks of queries (`jgraph.chunk.blocks`, with `attention`), whose backward loops
+    recompute each chunk, in the graph and, with `loops`, inside its scans' bodies (a scanned
+    model's layer).
 
     The rows are split along one row axis (one the chunks divide if any): `ceil(rows / chunks)`
     rows per chunk, and one smaller chunk for the rows left when the chunks do not divide them.
@@ -94,7 +95,8 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
     head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
     found = []
     if interior:
-        forward, found = _network(forward, set(head.eqns if head else ()), chunks, loops)
+        forward, found = _network(forward, set(head.eqns if head else ()), chunks, attention,
+                                  loops)
     if found:  # the joint graph derived again from the forward with them in loops
         graph = backward(forward)
         seed = graph.info["loss_seed"]
@@ -117,7 +119,8 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
     return joint.replace(info={**_info(graph), "chunk_rows": {"reason": None, "regions": found}})
 
 
-def _network(forward: Graph, exclude, chunks: int, loops: bool, computed: bool = False):
+def _network(forward: Graph, exclude, chunks: int, attention: bool, loops: bool,
+             computed: bool = False):
     """(`forward` with its regions inside the network in loops over chunks, what was done):
     token-wise MLPs, then attention over blocks of queries, then the same inside each scan's
     body (a scanned model's layer), where only values computed in the body count as keys read
@@ -126,7 +129,7 @@ def _network(forward: Graph, exclude, chunks: int, loops: bool, computed: bool =
     regions = interior_regions(forward, exclude)
     taken = set(exclude) | {e for r in regions for e in r.eqns}
     constants = set(forward.inputs) if computed else None
-    blocks = block_regions(forward, taken, constants)
+    blocks = block_regions(forward, taken, constants) if attention else []
     forward, found = chunk_interior(forward, regions, chunks)
     forward, more = chunk_blocks(forward, blocks, chunks)
     found += more
@@ -134,7 +137,7 @@ def _network(forward: Graph, exclude, chunks: int, loops: bool, computed: bool =
     for i, eqn in enumerate(eqns):
         if eqn not in scans:  # (not the loops made here)
             continue
-        body, inner = _network(eqn.params["body"], (), chunks, loops, computed=True)
+        body, inner = _network(eqn.params["body"], (), chunks, attention, loops, computed=True)
         if inner:
             eqns[i] = dataclasses.replace(eqn, params={**eqn.params, "body": body})
             found += [{**r, "in": "scan body"} for r in inner]
