@@ -90,8 +90,8 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     are fused where their gradients are made (`jg.fuse_updates`, in every graph the planner
     measures), and the loss head of a graph `jg.backward` returned, run over chunks of rows
     (`jg.chunk_rows`), is an option beside the graph as it is, tried when the graph as it is
-    needs a plan, and so is that graph with attention over blocks of queries and the regions
-    inside its loops' bodies chunked too.
+    needs a plan, and so, when neither meets the budget, is that graph with attention over
+    blocks of queries and the regions inside its loops' bodies chunked too.
     Of the options that meet the budget the one recomputing least is returned (then the
     smaller temp); when none does, the one reaching the least temp, with its warning or
     error. `info["remat"]` says what was fused and chunked. A step left without its grads
@@ -115,6 +115,8 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
         # the regions inside the loops' bodies too, which can cost more than they save in a plan
         found = 0
         for more in (False, True):
+            if more and any(r[0] is not None and r[1] is None for r in results):
+                break  # (planned only when nothing fits without them)
             chunked = None if chunks is None else _chunked(graph, chunks, more)
             if chunked is None or len(chunked.info["chunk_rows"]["regions"]) == found:
                 continue
