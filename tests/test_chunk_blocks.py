@@ -103,7 +103,7 @@ def relative_error(got, want) -> float:
 
 
 RUNS = [(fn, params, chunks) for fn, params in CASES  # 3 blocks of 7, 7, 6; 4 of 5
-        for chunks in ([3, 4] if fn in (causal_tril, jax_dpa) else [3])]
+        for chunks in ([3, 4] if fn is causal_tril else [3])]
 
 
 @pytest.mark.parametrize("fn, params, chunks", RUNS,
@@ -118,7 +118,7 @@ def test_attention_runs_over_blocks_of_queries(fn, params, chunks):
     assert region["read_whole"], region  # the keys (and values) read whole by every block
     want = jax.jit(jax.value_and_grad(fn))(params, X)
     assert relative_error(jg.compile(gc)(params, X), want) < 1e-6
-    if chunks == 3:  # interpreted, eqn by eqn
+    if fn is causal_tril:  # interpreted, eqn by eqn
         assert relative_error(jg.evaluate(gc, params, X), jg.evaluate(gb, params, X)) < 1e-6
 
 
@@ -236,7 +236,7 @@ def test_block_rules(fn, args, op, axis, in_axes):
     assert out.aval.shape == tuple(want)
 
 
-@settings(max_examples=6, derandomize=True, deadline=None)
+@settings(max_examples=4, derandomize=True, deadline=None)
 @given(b=st.integers(1, 2), t=st.integers(5, 13), h=st.integers(1, 3), dh=st.integers(1, 3),
        chunks=st.integers(2, 5), mask=st.sampled_from(["none", "causal", "window", "array"]),
        scale=st.floats(0.1, 2.0))

@@ -100,7 +100,8 @@ def test_a_region_inside_a_checkpoint_stays_in_it():
     assert relative_error(jg.compile(gc)(p, x), want) < 1e-6
 
 
-def test_a_budget_only_chunks_inside_the_body_reach_is_met():
+@pytest.mark.slow  # (15 s: three plans; the default run plans blocks under a budget in
+def test_a_budget_only_chunks_inside_the_body_reach_is_met():  # test_chunk_blocks.py)
     p = {"embed": PARAMS["embed"], "layers": jax.tree.map(lambda a: a[:2], PARAMS["layers"])}
     tokens = jnp.asarray(RNG.integers(0, V, (1, 65)), jnp.int32)
     gb = jg.backward(jg.trace(scanned_lm, p, tokens, param_argnums=0))
