@@ -77,7 +77,8 @@ def block_regions(graph: Graph, exclude=frozenset(), constants=None) -> list[Blo
         for axis, n in enumerate(end.outputs[0].aval.shape):
             if n < 2:
                 continue
-            region = _grow(end, axis, taken, position, producer, readers, outputs, params)
+            region = _grow(graph.eqns, end, axis, taken, position, producer, readers, outputs,
+                           params)
             if region is not None and (best is None or len(region.eqns) > len(best.eqns)):
                 best = region
         if best is not None:
@@ -104,7 +105,8 @@ def _ends(graph: Graph, readers, params) -> set[Eqn]:
     return ends
 
 
-def _grow(end, axis, taken, position, producer, readers, outputs, params) -> Blocks | None:
+def _grow(eqns, end, axis, taken, position, producer, readers, outputs,
+          params) -> Blocks | None:
     """The region ending at `end` with block axis `axis`, if it is worth chunking."""
     try:
         _, in_axes, adds = block_params(end, axis, 2)
@@ -131,7 +133,6 @@ def _grow(end, axis, taken, position, producer, readers, outputs, params) -> Blo
                 region.reads_whole.append(a)
 
     ask(end, in_axes)
-    eqns = list(position)
     while heap:
         eqn = eqns[-heapq.heappop(heap)]
         if eqn in members:
