@@ -30,7 +30,16 @@ from jax import lax
 
 from jgraph.builder import Builder
 from jgraph.chunk.axes import block_params
-from jgraph.chunk.emit import emit_scan, from_chunks, join_chunks, rest_chunk, split_rows, to_chunks
+from jgraph.chunk.emit import (
+    emit_scan,
+    from_chunks,
+    join_chunks,
+    rest_chunk,
+    split_rows,
+    to_chunks,
+    with_loops,
+)
+from jgraph.chunk.find import readers_of
 from jgraph.chunk.rows import NotRowwise
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Region, ShapedArray, Var, short_aval, while_processing
@@ -61,11 +70,7 @@ def block_regions(graph: Graph, exclude=frozenset(), constants=None) -> list[Blo
     the inputs that are not data: params)."""
     position = {e: i for i, e in enumerate(graph.eqns)}
     producer = {v: e for e in graph.eqns for v in e.outputs}
-    readers: dict[Var, list[Eqn]] = {}
-    for eqn in graph.eqns:
-        for a in eqn.inputs:
-            if type(a) is Var:
-                readers.setdefault(a, []).append(eqn)
+    readers = readers_of(graph)
     outputs = {a for a in graph.outputs if type(a) is Var}
     params = constants if constants is not None else {
         v for v, r in zip(graph.inputs, graph.input_roles, strict=True) if r != "data"}
@@ -185,14 +190,7 @@ def chunk_blocks(graph: Graph, regions: list[Blocks], chunks: int) -> tuple[Grap
                       "row_inputs": [short_aval(v.aval) for v, _ in region.sliced],
                       "consts": [short_aval(v.aval) for v in region.consts],
                       "read_whole": [short_aval(v.aval) for v in region.reads_whole]})
-    gone = {e for r in regions for e in r.eqns}
-    eqns = []
-    for eqn in graph.eqns:
-        if eqn in replaced:
-            eqns += replaced[eqn]
-        elif eqn not in gone:
-            eqns.append(eqn)
-    return graph.replace(eqns=tuple(eqns)), infos
+    return with_loops(graph, replaced, {e for r in regions for e in r.eqns}), infos
 
 
 # -- emitted with `Builder.call` -------------------------------------------------------------

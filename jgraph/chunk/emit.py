@@ -54,6 +54,18 @@ def emit_on_chunk(b: Builder, head: Head, rows, env: dict) -> None:
             env[v] = new
 
 
+def with_loops(graph: Graph, replaced: dict, gone: set) -> Graph:
+    """`graph` with each region's end replaced by its eqns (`replaced`: end -> eqns) and the
+    region's other eqns (`gone`) left out."""
+    eqns = []
+    for eqn in graph.eqns:
+        if eqn in replaced:
+            eqns += replaced[eqn]
+        elif eqn not in gone:
+            eqns.append(eqn)
+    return graph.replace(eqns=tuple(eqns))
+
+
 def emit_scan(b: Builder, body: Graph, consts, carry, xs, length: int, final=None):
     """Emit the scan; `final` (vars) name the first carries it returns (the row sums)."""
     avals = [a.aval for a in body.outputs]

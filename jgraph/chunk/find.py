@@ -145,16 +145,22 @@ def _post_pass(graph, loss, needs, seed, sums):
     return post, list(ct_eqns), cts
 
 
-def grow(graph, k, rows, ends, exclude=frozenset(), regions=None) -> Head:
-    """The region: `ends` (the row sums, or eqns whose outputs anything may read) and,
-    backwards, every eqn not in `exclude` all of whose readers are in it and that maps rows
-    (and, when `regions` is given, that is in those checkpoint regions)."""
-    roles = dict(zip(graph.inputs, graph.input_roles, strict=True))
+def readers_of(graph: Graph) -> dict[Var, list[Eqn]]:
+    """Each var's reading eqns, in schedule order."""
     readers: dict[Var, list[Eqn]] = {}
     for eqn in graph.eqns:
         for a in eqn.inputs:
             if type(a) is Var:
                 readers.setdefault(a, []).append(eqn)
+    return readers
+
+
+def grow(graph, k, rows, ends, exclude=frozenset(), regions=None) -> Head:
+    """The region: `ends` (the row sums, or eqns whose outputs anything may read) and,
+    backwards, every eqn not in `exclude` all of whose readers are in it and that maps rows
+    (and, when `regions` is given, that is in those checkpoint regions)."""
+    roles = dict(zip(graph.inputs, graph.input_roles, strict=True))
+    readers = readers_of(graph)
     outputs = {a for a in graph.outputs if type(a) is Var}
     head = Head(k, rows, [], list(ends))
     region = set(ends)

@@ -26,6 +26,7 @@ from jgraph.chunk.emit import (
     rest_chunk,
     split_rows,
     to_chunks,
+    with_loops,
 )
 from jgraph.chunk.find import Head, expands, grow, is_row, per_row
 from jgraph.chunk.rows import NotRowwise, row_params
@@ -70,14 +71,7 @@ def chunk_interior(graph: Graph, regions: list[Head], chunks: int) -> tuple[Grap
                       "chunk_rows": size, "remainder": rest,
                       "row_inputs": [short_aval(v.aval) for v in region.row_inputs],
                       "consts": [short_aval(v.aval) for v in region.consts]})
-    gone = {e for r in regions for e in r.eqns}
-    eqns = []
-    for eqn in graph.eqns:
-        if eqn in replaced:
-            eqns += replaced[eqn]
-        elif eqn not in gone:
-            eqns.append(eqn)
-    return graph.replace(eqns=tuple(eqns)), infos
+    return with_loops(graph, replaced, {e for r in regions for e in r.eqns}), infos
 
 
 def _chunked(region: Head, axis, size, n, rest) -> list[Eqn]:
