@@ -336,3 +336,33 @@ def test_a_budget_plans_a_graph_with_its_optimizer_step():
     for a, b in zip(jax.tree.leaves(jg.evaluate(gr, *args, state)),
                     jax.tree.leaves(jg.evaluate(go, *args, state)), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_measured_temp_is_the_default_compiles():
+    """The planner measures XLA's temp with the backend's code generation at its lowest
+    optimization level (it compiles faster): the HLO passes and the buffers are the same, so the
+    temp is the one a default compile of the step gives (`jg.compiled_memory`), on a chain, its
+    plans, a scan split into nested scans and a loss head in chunks."""
+    import optax
+
+    from jgraph.planner.validate import xla_temp
+
+    fn, args = chain(layers=6)
+    gb = joint(fn, *args)
+    sfn, sargs = scanned(16)
+    sb = joint(sfn, *sargs)
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
+    y = jnp.arange(64) % 50
+    head = {"w": jax.random.normal(jax.random.PRNGKey(2), (32, 50))}
+
+    def ce(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jg.BudgetWarning)
+        cases = [(gb, args), (jg.remat(gb, budget="50%", planner="fast"), args),
+                 (jg.remat(gb, policy=jg.policies.dots_saveable), args), (sb, sargs),
+                 (jg.remat(sb, budget="40%", planner="fast"), sargs),
+                 (jg.chunk_rows(joint(ce, head, x, y), chunks=4), (head, x, y))]
+    for graph, call_args in cases:
+        assert xla_temp(graph) == jg.compiled_memory(graph, *call_args).temp_bytes
