@@ -119,6 +119,42 @@ def compiled(graph, *args):
     return jg.compile(graph)(*args)
 
 
+BATCH_OF_ONE = (normal(1, 10, D), (jnp.arange(10) % V).reshape(1, 10))
+
+
+@pytest.mark.parametrize("fn", [optax_integer, log_softmax_sum, logsumexp_mean,
+                                masked_mean_with_z_loss], ids=lambda f: f.__name__)
+def test_a_batch_of_one_is_chunked_along_its_positions(fn):
+    """`take_along_axis` (integer labels) makes a batch of one an offset axis of its gather and
+    drops it from the indices (`(T, 1, 1)`): the head is still found, over rows `(1, T)`."""
+    x, y = BATCH_OF_ONE
+    gb, gc = chunked(fn, x, y, 4)
+    (head,) = [r for r in gc.info["chunk_rows"]["regions"] if r["kind"] == "head"]
+    assert (head["rows"], head["axis"], head["chunks"]) == ((1, 10), 1, 4)
+    want = jax.jit(jax.value_and_grad(fn))(PARAMS, x, y)
+    assert max(relative_errors(compiled(gc, PARAMS, x, y), want)) < 1e-6
+    assert max(relative_errors(jg.evaluate(gc, PARAMS, x, y), jg.evaluate(gb, PARAMS, x, y))) < 1e-6
+
+
+@pytest.mark.parametrize("shape, axis", [((1, 6, 1, V), -1), ((1, 6, V), 1), ((3, 1, V), -1),
+                                          ((1, 1, 6, V), -1)])
+def test_batched_gathers_give_the_same_values(shape, axis):
+    """The rewrite that puts a batch of one back in the indices, on `take_along_axis` with
+    size-1 axes before, between and along other axes, equals the traced graph bitwise."""
+    from jgraph.chunk.find import batched_gathers
+
+    arr = normal(*shape)
+    at = list(shape)
+    at[axis] = 4
+    idx = jnp.asarray(RNG.integers(0, shape[axis], at).astype(np.int32))
+    g = jg.trace(lambda a: jnp.take_along_axis(a, idx, axis=axis), arr)
+    rewritten = batched_gathers(g)
+    assert rewritten is not g  # a size-1 axis was put back in the indices
+    jg.check(rewritten)
+    np.testing.assert_array_equal(jg.evaluate(rewritten, arr),
+                                  jnp.take_along_axis(arr, idx, axis=axis))
+
+
 @pytest.mark.parametrize("fn, run", [(optax_integer, jg.evaluate), (optax_one_hot, compiled),
                                      (row_mixing_trunk, compiled)],
                          ids=["evaluate", "compile", "compile-trunk"])

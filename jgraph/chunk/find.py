@@ -17,10 +17,12 @@ region stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from jgraph.backward import reverse_pass
+from jgraph.builder import Builder
 from jgraph.chunk.rows import NotRowwise, row_params
 from jgraph.ir import Eqn, Graph, Var, format_eqn
 from jgraph.ops import has_effects
@@ -143,6 +145,58 @@ def _post_pass(graph, loss, needs, seed, sums):
         if ct is None or (type(ct) is Var and ct in tainted):
             return None
     return post, list(ct_eqns), cts
+
+
+def batched_gathers(graph: Graph) -> Graph:
+    """`graph` with each batched gather that slices a size-1 operand axis whole put in the form
+    JAX gives it when that axis is longer: the axis batched with a size-1 axis of the indices.
+    `jnp.take_along_axis` (optax's integer-label cross-entropy) makes a batch of one an offset
+    axis and drops it from the indices, which then do not carry the rows `(1, T)`. The values
+    are the same; the graph is returned as is when no gather has that form."""
+    eqns, changed = [], False
+    for eqn in graph.eqns:
+        new = _batched_gather(eqn) if eqn.op == "gather" else None
+        if new is None:
+            eqns.append(eqn)
+        else:
+            eqns += new
+            changed = True
+    return graph.replace(eqns=tuple(eqns)) if changed else graph
+
+
+def _batched_gather(eqn) -> list[Eqn] | None:
+    """[a reshape of the indices, the gather batched along its size-1 offset axes], or None."""
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    operand, indices = eqn.inputs[0].aval.shape, eqn.inputs[1].aval.shape
+    if not dn.operand_batching_dims:  # only a batched gather: not a lookup in a table
+        return None
+    offsets = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims
+               and d not in dn.operand_batching_dims]
+    unit = [j for j, d in enumerate(offsets) if operand[d] == 1 and sizes[d] == 1]
+    if not unit:
+        return None
+    pairs = dict(zip(dn.operand_batching_dims, dn.start_indices_batching_dims, strict=True))
+    out_rank = len(eqn.outputs[0].aval.shape)
+    batch_positions = [p for p in range(out_rank) if p not in dn.offset_dims]
+    shape = list(indices)
+    for j in unit:  # the output axis stays in place, now read from a new axis of the indices
+        p = dn.offset_dims[j]
+        r = sum(1 for q in batch_positions if q < p)
+        pairs = {d: (i + 1 if i >= r else i) for d, i in pairs.items()}
+        pairs[offsets[j]] = r
+        shape.insert(r, 1)
+        batch_positions = sorted(batch_positions + [p])
+    dims = sorted(pairs)
+    new_dn = dn._replace(
+        offset_dims=tuple(p for j, p in enumerate(dn.offset_dims) if j not in unit),
+        operand_batching_dims=tuple(dims),
+        start_indices_batching_dims=tuple(pairs[d] for d in dims))
+    b = Builder(eqn.tags, eqn.regions, eqn.source)
+    (new_indices,) = b.bind("reshape", eqn.inputs[1], new_sizes=tuple(shape), dimensions=None,
+                            sharding=None)
+    gather = dataclasses.replace(eqn, inputs=(eqn.inputs[0], new_indices),
+                                 params={**eqn.params, "dimension_numbers": new_dn})
+    return b.eqns + [gather]
 
 
 def readers_of(graph: Graph) -> dict[Var, list[Eqn]]:

@@ -43,7 +43,7 @@ from jgraph.chunk.emit import (
     to_chunks,
     zeros,
 )
-from jgraph.chunk.find import Head, find_head
+from jgraph.chunk.find import Head, batched_gathers, find_head
 from jgraph.chunk.interior import chunk_interior, interior_regions
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Literal, Var, short_aval
@@ -90,7 +90,8 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
     seed = graph.info.get("loss_seed")
     if not isinstance(seed, Literal) and seed not in graph.inputs_with_role("loss_seed"):
         return _unchanged(graph, "the loss seed is computed (inside shard_map)")
-    forward = dce(forward)  # a traced graph may hold dead eqns (readers that are not)
+    # a traced graph may hold dead eqns (readers that are not); a batch of one in a gather
+    forward = batched_gathers(dce(forward))
     loss = forward.outputs_with_role("loss")[0]
     head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
     found = []
