@@ -22,6 +22,7 @@ import numpy as np
 from jgraph.errors import TransformError
 from jgraph.ir import Graph
 from jgraph.memory import STATE_ROLES, donated_step
+from jgraph.memory.compiled import MEASURE_OPTIONS
 
 seconds = 0.0  # compile seconds of the current planning (`jgraph.planner.search` resets it)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
@@ -76,11 +77,6 @@ def abstract_step_args(graph: Graph):
 
 
 _TEMPS: dict[tuple, int] = {}  # (platform, HLO text's digest) -> temp bytes
-
-# A measurement needs XLA's buffer assignment, not fast code: the backend's code generation at
-# its lowest optimization level compiles in about 0.6x the time, the HLO passes and buffers
-# unchanged (`tests/test_planner.py::test_the_measured_temp_is_the_default_compiles`).
-MEASURE_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def xla_temp(graph: Graph) -> int:
