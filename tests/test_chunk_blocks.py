@@ -118,7 +118,7 @@ def test_attention_runs_over_blocks_of_queries(fn, params, chunks):
     assert region["read_whole"], region  # the keys (and values) read whole by every block
     want = jax.jit(jax.value_and_grad(fn))(params, X)
     assert relative_error(jg.compile(gc)(params, X), want) < 1e-6
-    if fn is causal_tril:  # interpreted, eqn by eqn
+    if fn is causal_tril and chunks == 3:  # interpreted, eqn by eqn (a smaller last block)
         assert relative_error(jg.evaluate(gc, params, X), jg.evaluate(gb, params, X)) < 1e-6
 
 

@@ -122,18 +122,16 @@ def compiled(graph, *args):
 BATCH_OF_ONE = (normal(1, 10, D), (jnp.arange(10) % V).reshape(1, 10))
 
 
-@pytest.mark.parametrize("fn", [optax_integer, log_softmax_sum, logsumexp_mean,
-                                masked_mean_with_z_loss], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [optax_integer, masked_mean_with_z_loss], ids=lambda f: f.__name__)
 def test_a_batch_of_one_is_chunked_along_its_positions(fn):
     """`take_along_axis` (integer labels) makes a batch of one an offset axis of its gather and
     drops it from the indices (`(T, 1, 1)`): the head is still found, over rows `(1, T)`."""
     x, y = BATCH_OF_ONE
-    gb, gc = chunked(fn, x, y, 4)
+    _, gc = chunked(fn, x, y, 4)
     (head,) = [r for r in gc.info["chunk_rows"]["regions"] if r["kind"] == "head"]
     assert (head["rows"], head["axis"], head["chunks"]) == ((1, 10), 1, 4)
     want = jax.jit(jax.value_and_grad(fn))(PARAMS, x, y)
     assert max(relative_errors(compiled(gc, PARAMS, x, y), want)) < 1e-6
-    assert max(relative_errors(jg.evaluate(gc, PARAMS, x, y), jg.evaluate(gb, PARAMS, x, y))) < 1e-6
 
 
 @pytest.mark.parametrize("shape, axis", [((1, 6, 1, V), -1), ((1, 6, V), 1), ((3, 1, V), -1),

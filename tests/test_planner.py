@@ -341,7 +341,7 @@ def test_a_budget_plans_a_graph_with_its_optimizer_step():
 def test_the_measured_temp_is_the_default_compiles():
     """The planner and `jg.compiled_memory` compile with the backend's code generation at its
     lowest optimization level (faster): the HLO passes and buffers are the same, so every figure
-    is the one a default compile of the donated step gives, on a chain, its plans, a scan split
+    is the one a default compile of the donated step gives, on a chain's plan, a scan split
     into nested scans and a loss head in chunks."""
     import optax
 
@@ -351,7 +351,7 @@ def test_the_measured_temp_is_the_default_compiles():
     fn, args = chain(layers=6)
     gb = joint(fn, *args)
     sfn, sargs = scanned(16)
-    sb = joint(sfn, *sargs)
+    sb = joint(sfn, *sargs)  # 16 layers: split into nested scans
     x = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
     y = jnp.arange(64) % 50
     head = {"w": jax.random.normal(jax.random.PRNGKey(2), (32, 50))}
@@ -361,8 +361,7 @@ def test_the_measured_temp_is_the_default_compiles():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jg.BudgetWarning)
-        cases = [(gb, args), (jg.remat(gb, budget="50%", planner="fast"), args),
-                 (jg.remat(gb, policy=jg.policies.dots_saveable), args), (sb, sargs),
+        cases = [(jg.remat(gb, budget="50%", planner="fast"), args),
                  (jg.remat(sb, budget="40%", planner="fast"), sargs),
                  (jg.chunk_rows(joint(ce, head, x, y), chunks=4), (head, x, y))]
     for graph, call_args in cases:
