@@ -13,6 +13,10 @@ A region is worth chunking when one of its eqns makes a row larger than the rows
 projection to the vocabulary, a one-hot): then the values no chunk-sized loop would avoid are
 only what the region reads. Otherwise the graph is left alone and the reason says where the
 region stopped.
+
+A batch of one keeps its rows `(1, T)` everywhere but in `jnp.take_along_axis`'s gather, which
+makes the size-1 axis an offset axis and drops it from the indices: `batched_gathers` first puts
+such gathers in the batched form JAX gives a larger batch.
 """
 
 from __future__ import annotations
