@@ -69,6 +69,8 @@ def test_a_budget_with_a_period_keeps_the_better_of_both_orders(batch):
     assert bool(info.get("planned_on")) == (best == "before accumulation")
 
 
+@pytest.mark.slow  # the default run trains a planned period step against no remat in
+# `test_a_guarded_step_with_a_period_is_planned_as_it_runs` (with its guard, "raise")
 def test_a_budget_with_a_period_trains_as_no_remat():
     params, x, y = setup(64)
     states = []
