@@ -157,8 +157,8 @@ def test_a_guarded_step_with_a_period_is_planned_as_it_runs():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["ignore", "raise"])
-def test_the_step_ending_a_period_is_planned_too(mode):
+@pytest.mark.parametrize("mode", [pytest.param("ignore", marks=pytest.mark.slow), "raise"])
+def test_the_step_ending_a_period_is_planned_too(mode):  # "ignore": opt-in, `-m slow`
     """With a period, the step that ends it (the update appended) runs once per period and
     holds the params, adam's state and the accumulators at once; with "raise" its guard keeps
     the old state beside the new (6.6 MB against 1.6 MB unguarded). It was built from the
