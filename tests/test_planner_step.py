@@ -200,18 +200,6 @@ def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def unet_mlp(params, x):  # each encoder level's output read again by its decoder level
-    def layer(p, h):
-        return jnp.tanh(jax.nn.gelu(h @ p["w1"]) @ p["w2"])
-
-    skips, h = [], x
-    for p in params["enc"]:
-        h = layer(p, h)
-        skips.append(h)
-    for p, s in zip(params["dec"], reversed(skips), strict=True):
-        h = layer(p, h + s)
-    return jnp.mean(h**2)
-
 
 def test_small_chunks_are_planned_only_when_nothing_else_fits():
     """A U-Net-shaped MLP's decoder makes rows wider and ends in a mean over rows: the chunked
@@ -221,14 +209,9 @@ def test_small_chunks_are_planned_only_when_nothing_else_fits():
     without chunks gets that plan; chunks of fewer than `SMALL_CHUNK_ROWS` rows are kept for
     budgets nothing else meets (`test_a_budget_only_the_chunked_loss_head_meets_is_met`, 64
     rows a chunk)."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(4), 17))
+    from benchmarks.bench_planner import unet, unet_args
 
-    def block():
-        return {"w1": jax.random.normal(next(keys), (64, 256)) * 64**-0.5,
-                "w2": jax.random.normal(next(keys), (256, 64)) * 256**-0.5}
-
-    params = {"enc": [block() for _ in range(4)], "dec": [block() for _ in range(4)]}
-    x = jax.random.normal(next(keys), (128, 64))
+    unet_mlp, (params, x) = unet(), unet_args(levels=4, width=64, batch=128)
     gb = jg.backward(jg.trace(unet_mlp, params, x, param_argnums=0))
     with warnings.catch_warnings():
         warnings.simplefilter("error", jg.BudgetWarning)
