@@ -126,11 +126,15 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
             if chunked is None or len(chunked.info["chunk_rows"]["regions"]) == found:
                 continue
             found = len(chunked.info["chunk_rows"]["regions"])
+            if (_small_chunks(chunked.info["chunk_rows"]["regions"])
+                    and results[0][0] is not None and results[0][1] is None):
+                continue  # (small chunks are taken only when nothing else fits: not planned)
             reference = reference or xla_temp(without_regions(graph))  # a share of the given
             results.append(_attempt(graph, budget, planner, finish, reference,
                                     _rows_in_chunks(chunks, more), chunked))
     fitting = [r for r in results if r[0] is not None and r[1] is None]
-    fitting = [r for r in fitting if not _small_chunks(r[0])] or fitting
+    fitting = [r for r in fitting
+               if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
     if fitting:
         return _timed(min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
                                                   r[0].info["remat"]["xla_temp"]))[0], results)
@@ -149,9 +153,10 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     raise problem
 
 
-def _small_chunks(graph: Graph) -> bool:
-    """Does `graph` run a region over chunks of fewer than `SMALL_CHUNK_ROWS` rows?"""
-    for region in graph.info["remat"].get("chunked") or ():
+def _small_chunks(regions) -> bool:
+    """Does one of `regions` (`info["chunk_rows"]["regions"]`) run over chunks of fewer than
+    `SMALL_CHUNK_ROWS` rows?"""
+    for region in regions:
         if region["kind"] == "blocks":  # (its rows are its end's shape; tried last anyway)
             continue
         rows = region["rows"]
