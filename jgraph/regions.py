@@ -82,7 +82,7 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
         counts[region_id] += 1
     info = dict(graph.info, remat={"recomputed_eqns": counts, "policy": _policy_label(policy)})
     graph = _pin_narrow_residuals(graph.replace(eqns=tuple(eqns), info=info), planner)
-    return _prune_recomputed_loops(dce(graph))
+    return prune_recomputed_loops(dce(graph))
 
 
 def _pin_narrow_residuals(graph: Graph, planner: _Planner) -> Graph:
@@ -124,7 +124,7 @@ def _pin_narrow_residuals(graph: Graph, planner: _Planner) -> Graph:
     return graph.replace(eqns=tuple(eqns), outputs=pinned(graph.outputs))
 
 
-def _prune_recomputed_loops(graph: Graph) -> Graph:
+def prune_recomputed_loops(graph: Graph) -> Graph:
     """Recomputed conds and scans compute only the outputs something reads: a cond's unread
     outputs and a scan's unread ys leave their bodies (the forward's outputs are not needed
     again, only the residuals the backward reads)."""

@@ -12,6 +12,8 @@ The pieces, one concept per module:
 - `validate`: budgets, and the temp XLA allocates for a plan;
 - `dag`: `Dag` and `schedule`, rematerialization of any DAG of costed nodes (Checkmate's
   problem): a greedy schedule and the exact MILP; `replay` checks and measures a schedule;
+- `on_graph`: the joint graph coarsened into such a DAG (contractions as nodes), scheduled, and
+  the schedule read back as recompute eqns (`planner="exact"` weighs it against the plans);
 - `search` (here): plan on the model, check the plan's `jg.memory` estimate, compile it, and when
   XLA allocates more than the budget, tighten the model's target and plan again.
 """

@@ -246,22 +246,14 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
     blocks above the median.)"""
     n = len(forward.eqns)
     fronts = frontier_bytes(forward)
-    best, valley = [], []
-    for k in range(n - 1):
-        if valley and _expensive(forward.eqns[k]):
-            best.append(_best_cut(fronts, valley))
-            valley = []
-        if fronts[k][0] > 0:
-            valley.append(k)
-    if valley:
-        best.append(_best_cut(fronts, valley))
+    best = valley_cuts(forward, fronts)
     cuts = []
     if best:
         totals = sorted(fronts[k][0] for k in best)
         threshold = CUT_SLACK * totals[(len(totals) - 1) // 2]  # the lower median
         cuts = [k + 1 for k in best if fronts[k][0] <= threshold]
     if len(cuts) + 1 > max_stages:
-        cuts = _thinned(forward, cuts, max_stages - 1)
+        cuts = thinned(forward, cuts, max_stages - 1)
     bounds = [0] + cuts + [n]
     result = []
     for a, b in zip(bounds, bounds[1:], strict=False):
@@ -270,6 +262,23 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
             v for v in forward.outputs if v in forward.producer)
         result.append(Stage(forward, a, b, before, after))
     return result
+
+
+def valley_cuts(forward: Forward, fronts=None) -> list[int]:
+    """The best cut of each valley (`stages`): k, for a cut after forward eqn k. Between two
+    contractions or loops there is one, so these cut the forward into its contractions, each
+    with the cheap eqns around it (`jgraph.planner.on_graph`'s nodes)."""
+    fronts = frontier_bytes(forward) if fronts is None else fronts
+    best, valley = [], []
+    for k in range(len(forward.eqns) - 1):
+        if valley and _expensive(forward.eqns[k]):
+            best.append(_best_cut(fronts, valley))
+            valley = []
+        if fronts[k][0] > 0:
+            valley.append(k)
+    if valley:
+        best.append(_best_cut(fronts, valley))
+    return best
 
 
 def _expensive(eqn: Eqn) -> bool:
@@ -281,7 +290,7 @@ def _best_cut(fronts, valley: list[int]) -> int:
     return min(reversed(valley), key=lambda k: fronts[k][0] + fronts[k][1])
 
 
-def _thinned(forward: Forward, cuts: list[int], keep: int) -> list[int]:
+def thinned(forward: Forward, cuts: list[int], keep: int) -> list[int]:
     """`keep` of `cuts`, spread evenly over the forward's cost."""
     at = list(itertools.accumulate(forward.cost))
     total = max(at[-1], 1e-30)

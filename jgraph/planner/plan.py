@@ -22,6 +22,7 @@ from jgraph.ir import Graph, Region
 from jgraph.policies import SaveValues
 
 HAND = "hand: "  # the label of the plans that are hand arrangements
+ON_GRAPH = "Checkmate on the graph: "  # ... and of schedules of the graph (`on_graph`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Plan:
 
     def describe(self) -> str:
         loops = "" if self.base == "loops as traced" else f"{self.base}; "
+        if self.label.startswith(ON_GRAPH):  # no segments: the label says what it is
+            return loops + self.label
         if self.label.startswith(HAND):  # an arrangement a user writes (`jgraph.planner.hand`)
             what = self.label.removeprefix(HAND)
             return what if not self.segments else (

@@ -41,10 +41,10 @@ from jgraph.backward import backward, forward_of
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph, Var
 from jgraph.memory import peak_bytes
-from jgraph.planner import fast, hand, loops, validate
+from jgraph.planner import fast, hand, loops, on_graph, validate
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
-from jgraph.planner.plan import HAND, Plan, Segment
+from jgraph.planner.plan import HAND, ON_GRAPH, Plan, Segment
 from jgraph.planner.problem import Problem
 from jgraph.planner.validate import parse_budget
 from jgraph.regions import without_regions
@@ -53,6 +53,7 @@ PLANNERS = ("auto", "exact", "fast")
 ESTIMATE_ROUNDS = 6
 XLA_RETRIES = 5
 MARGIN = 0.98  # each tightening aims this much below what was missed
+ON_GRAPH_SECONDS = 10.0  # planner="exact" schedules the graph itself at least this long
 
 
 def problems(graph: Graph, rederive=None, traced: Graph | None = None) -> dict[str, Problem]:
@@ -218,6 +219,11 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     else:  # the plans needing the least memory of each mode and the hand arrangements
         smallest = _smallest_plans(by_mode, tried) + [
             (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
+        on = (None, None) if planner != "exact" else _on_graph(
+            by_mode["loops as traced"], float("inf"), target, tried, started)
+        if on[1] is not None:
+            report["on_graph"] = on[0]
+            smallest.append((on[1][0], on[1][1], on[1][3]))
         fitting = [s for s in smallest if s[2] <= target]
         if not fitting and kind == "fraction":
             return _least(done, smallest, report | {"used": used}, budget, tried, started)
@@ -230,6 +236,11 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         report["milp"] = exact[0]
         if exact[1] is not None:
             plan, candidate, estimate, temp = exact[1]
+    if planner == "exact" and not plan.label.startswith(ON_GRAPH):
+        on = _on_graph(by_mode[plan.base], recompute_flops(candidate), target, tried, started)
+        report["on_graph"] = on[0]
+        if on[1] is not None:
+            plan, candidate, estimate, temp = on[1]
     # a hand arrangement doing less recompute than the plan found, if one fits
     found = _first_fitting(hands, recompute_flops(candidate), target, tried)
     if found is not None:
@@ -287,6 +298,25 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
     if tried[exact.describe()] > target:
         return f"{exact.label}: its plan exceeds the budget on XLA", None
     return exact.label, (exact, candidate, estimate, tried[exact.describe()])
+
+
+def _on_graph(problem: Problem, below: float, target: int, tried: dict, started: float):
+    """(what it did, (plan, graph, estimate, XLA temp) or None): Checkmate's schedule of the
+    coarsened graph (`jgraph.planner.on_graph`) within what is left of `TIME_LIMIT`, when its
+    compiled step fits `target` recomputing less than `below` flops."""
+    seconds = max(TIME_LIMIT - (time.perf_counter() - started), ON_GRAPH_SECONDS)
+    found = on_graph.fitting(problem.graph, target, xla_temp, seconds, problem.finish)
+    if found is None:
+        return f"no schedule of the graph fits within {seconds:.0f} s", None
+    graph, temp, schedule = found
+    flops = recompute_flops(graph)
+    label = (f"{ON_GRAPH}{schedule.recomputes} node recomputes ({schedule.solver} schedule, "
+             f"{schedule.status})")
+    plan = Plan(frozenset(), (), cost=flops, label=label, base=problem.base)
+    tried[plan.describe()] = temp
+    if flops >= below * (1 - 1e-9):
+        return f"{label}: recomputes no less than the plan found", None
+    return label, (plan, graph, _peak(graph), temp)
 
 
 def _used(planner: str, by_mode: dict) -> str:

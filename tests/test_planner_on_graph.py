@@ -1,0 +1,137 @@
+"""Checkmate on the joint graph itself (`jgraph.planner.on_graph`): the graph coarsened into a
+`Dag` of eqn groups, a schedule of it read back as recompute eqns.
+
+Checked: the nodes cover the graph in its order and a long skip's value counts once; the
+topological schedule reads back as the graph itself; schedules with recomputes give
+the unplanned graph's values bitwise under `jg.evaluate` (and those are `jax.value_and_grad`'s);
+a schedule running a backward node twice is refused; `planner="exact"` takes the graph's
+schedule where it recomputes less than the chain's plans and its compiled step (XLA's donated
+step: the copies are neither merged back nor run early) fits the budget.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from properties import examples
+
+import jgraph as jg
+from benchmarks.bench_planner import unet, unet_args
+from jgraph.opkinds import nbytes
+from jgraph.planner import on_graph
+from jgraph.planner.dag import schedule
+from jgraph.planner.plan import ON_GRAPH
+from jgraph.planner.search import problems, xla_temp
+from jgraph.regions import is_forward
+
+
+def small_unet(levels=3, width=32, batch=64):
+    args = unet_args(levels, width, batch)
+    gb = jg.backward(jg.trace(unet(), *args, param_argnums=0))
+    return problems(gb)["loops as traced"].graph, args
+
+
+@pytest.fixture(scope="module")
+def unet3():
+    return small_unet()
+
+
+def assert_close_to_jax(got, args, atol=1e-5):
+    """`got` (a joint graph's values) against `jax.value_and_grad` of the U-Net."""
+    value, grads = jax.value_and_grad(unet())(*args)
+    np.testing.assert_allclose(got[0], value, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+
+
+def test_the_nodes_cover_the_graph_in_its_order_and_a_skip_counts_once(unet3):
+    graph, _ = unet3
+    coarse = on_graph.coarsen(graph)
+    assert [e for node in coarse.nodes for e in node] == list(graph.eqns)
+    forward = [k for k, node in enumerate(coarse.nodes) if all(is_forward(e) for e in node)]
+    assert coarse.repeatable == [k in forward for k in range(len(coarse.nodes))]
+    dots = [sum(e.op == "dot_general" for e in coarse.nodes[k]) for k in forward]
+    assert dots == [1] * 12 + [0]  # a contraction per node, the loss's mean on its own
+    # each value read by another node counts once, in its producer's node: the encoder's
+    # outputs (read by the next level, their decoder level and the backward) included
+    node_of = {v: k for k, node in enumerate(coarse.nodes) for e in node for v in e.outputs}
+    shared = {a for k, node in enumerate(coarse.nodes) for e in node for a in e.inputs
+              if isinstance(a, jg.Var) and node_of.get(a, k) != k}
+    assert sum(coarse.dag.memory.values()) == sum(nbytes(v.aval) for v in shared)
+    # the first level's output: read by the second level, its decoder level and the backward
+    readers = {k for k, node in enumerate(coarse.nodes) for e in node for a in e.inputs
+               if node_of.get(a) == 1}
+    assert len(readers) >= 3 and coarse.dag.memory[1] == 64 * 32 * 4
+
+
+def test_the_topological_schedule_is_the_graph_itself(unet3):
+    graph, _ = unet3
+    coarse = on_graph.coarsen(graph)
+    found = schedule(coarse.dag, coarse.dag.topological_peak())
+    assert found.solver == "topological"
+    assert list(coarse.graph_of(found.events).eqns) == list(graph.eqns)
+
+
+@functools.cache
+def unet2():
+    """A 2-level U-Net's joint graph, its args, and its values under `jg.evaluate`."""
+    graph, args = small_unet(levels=2, width=16, batch=32)
+    return graph, args, jg.evaluate(graph, *args)
+
+
+@given(fraction=st.floats(0.45, 0.9), solver=st.sampled_from(["fast", "auto"]))
+@examples(4)
+def test_schedules_with_recomputes_give_the_same_values(fraction, solver):
+    graph, args, unplanned = unet2()
+    coarse = on_graph.coarsen(graph)
+    found = schedule(coarse.dag, fraction * coarse.dag.topological_peak(), solver,
+                     time_limit=5)
+    planned = coarse.graph_of(found.events)
+    copies = [e for e in planned.eqns if "recompute" in e.tags]
+    assert bool(copies) == bool(found.recomputes)
+    assert all(e.tags == {"recompute", "no_cse"} for e in copies)
+    for a, b in zip(jax.tree.leaves(jg.evaluate(planned, *args)), jax.tree.leaves(unplanned),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_unplanned_values_are_jaxs():  # what the property above compares with
+    _, args, unplanned = unet2()
+    assert_close_to_jax(unplanned, args)
+
+
+def test_a_schedule_running_a_backward_node_twice_is_refused(unet3):
+    graph, _ = unet3
+    coarse = on_graph.coarsen(graph)
+    events = list(schedule(coarse.dag, coarse.dag.topological_peak()).events)
+    backward = coarse.repeatable.index(False)  # the backward's first node
+    at = events.index(("compute", backward)) + 1
+    events[at:at] = [("free", backward), ("compute", backward)]
+    jg.planner.replay(coarse.dag, events)  # a valid schedule of the DAG ...
+    assert coarse.graph_of(events) is None  # ... that would accumulate gradients twice
+    assert on_graph.coarsen(graph).dag.cost[backward] > 100 * sum(
+        coarse.dag.cost[k] for k in range(backward))
+
+
+def test_a_graph_without_a_backward_is_not_coarsened():
+    graph = jg.trace(lambda x: jnp.sin(x) @ x, jnp.ones((4, 4)))
+    assert on_graph.coarsen(graph) is None
+
+
+def test_the_exact_planner_schedules_the_graph_where_it_recomputes_less():
+    """A 3-level U-Net at 50%: the chain's plans keep a long skip's value once per cut it
+    crosses; the graph's schedule counts it once and recomputes less than half as much."""
+    args = unet_args(3, 32, 64)
+    gb = jg.backward(jg.trace(unet(), *args, param_argnums=0))
+    fast = jg.remat(gb, budget="50%", planner="fast").info["remat"]
+    exact = jg.remat(gb, budget="50%", planner="exact")
+    report = exact.info["remat"]
+    assert report["plan"].startswith(ON_GRAPH), report
+    assert report["xla_temp"] <= report["budget"] == fast["budget"]
+    assert xla_temp(exact) == report["xla_temp"]
+    assert report["recompute_flops"] < 0.5 * fast["recompute_flops"]
+    assert_close_to_jax(jg.evaluate(exact, *args), args)
