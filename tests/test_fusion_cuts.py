@@ -84,7 +84,7 @@ def test_transformer_cuts_per_layer_and_numerics():
     through a transposed copy (the gelu MLP's and the qkv projection's cotangents); plus the
     head's. As many conditionals in the step; grads as JAX's."""
     counts = {}
-    for layers in (2, 3):
+    for layers in (1, 2):  # one layer more adds that layer's cuts
         args = transformer_args(layers=layers, d=64, seq=32, batch=8, vocab=128)
         gb = jg.backward(jg.trace(transformer(), *args, param_argnums=0))
         cuts = fusion_cuts(gb)
@@ -95,9 +95,9 @@ def test_transformer_cuts_per_layer_and_numerics():
         assert sum(producers[v] == "concatenate" for v in cuts) == layers  # q, k, v's
         compiled = jg.compile(gb)
         assert compiled.lower(*args).compile().as_text().count(" conditional(") == len(cuts)
-    assert counts[3] - counts[2] == 4
+    assert counts[2] - counts[1] == 4
     loss, grads = compiled(*args)
-    want_loss, want = jax.value_and_grad(transformer())(*args)
+    want_loss, want = jax.jit(jax.value_and_grad(transformer()))(*args)  # op by op: 3x slower
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
