@@ -15,7 +15,9 @@ JAX's default) and float64 (the `f64` marker).
   agree (to 2e-5 in float32: XLA fuses differently from op-by-op evaluation).
 
 Each test draws `examples(n)` graphs: n in the default (`ci`) run, 1000 with
-`HYPOTHESIS_PROFILE=thorough`. `pytest --hypothesis-show-statistics` prints the counts.
+`HYPOTHESIS_PROFILE=thorough`. `pytest --hypothesis-show-statistics` prints the counts. A float64
+twin (`*_f64`) checks what its float32 test checks, in the other precision: in the `ci` run it
+draws a few graphs only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 from properties import (
-    BOTH_PRECISIONS,
     assert_bitwise,
     assert_close,
     examples,
@@ -91,10 +92,7 @@ def _training_transforms(gb):
     yield "cse(optimizer_step(accumulate(remat)))", cse, jg.optimizer_step(gra, tx)
 
 
-@BOTH_PRECISIONS
-@examples(25)
-@given(jg.testing.graphs())
-def test_transforms_pass_check_and_leave_their_input_alone(precision, drawn):
+def _transforms_pass_check_and_leave_their_input_alone(drawn):
     g, _ = drawn
     assert str(to_graph(drawn.recipe)) == str(g)  # printing depends on structure only
     before = snapshot(g)
@@ -115,6 +113,19 @@ def test_transforms_pass_check_and_leave_their_input_alone(precision, drawn):
         assert snapshot(graph) == before
 
 
+@examples(25)
+@given(jg.testing.graphs())
+def test_transforms_pass_check_and_leave_their_input_alone(drawn):
+    _transforms_pass_check_and_leave_their_input_alone(drawn)
+
+
+@pytest.mark.f64
+@examples(5)
+@given(jg.testing.graphs())
+def test_transforms_pass_check_and_leave_their_input_alone_f64(drawn):
+    _transforms_pass_check_and_leave_their_input_alone(drawn)
+
+
 # -- backward against JAX and against finite differences ------------------------------------------
 def _backward_matches_jax(drawn):
     g, args = drawn
@@ -132,7 +143,7 @@ def test_backward_equals_value_and_grad_f32(drawn):
 
 
 @pytest.mark.f64
-@examples(10)
+@examples(4)
 @given(jg.testing.graphs())
 def test_backward_equals_value_and_grad_f64(drawn):
     _backward_matches_jax(drawn)
@@ -174,16 +185,13 @@ def test_remat_outputs_are_bitwise_equal_to_no_remat(drawn, label):
 
 
 @pytest.mark.f64
-@examples(5)
+@examples(2)
 @given(jg.testing.graphs(), st.sampled_from(VARIANTS))
 def test_remat_outputs_are_bitwise_equal_to_no_remat_f64(drawn, label):
     _remat_is_bitwise(drawn, label)
 
 
-@BOTH_PRECISIONS
-@examples(5)
-@given(jg.testing.graphs(), st.floats(0.05, 1.0))
-def test_remat_budget_never_exceeds_the_budget_or_no_remat(precision, drawn, fraction):
+def _remat_budget_never_exceeds_the_budget_or_no_remat(drawn, fraction):
     # A budget is on the compiled donated step's temp (a percentage: of no remat's); each
     # remat(budget=) compiles, hence few examples.
     g, args = drawn
@@ -201,6 +209,19 @@ def test_remat_budget_never_exceeds_the_budget_or_no_remat(precision, drawn, fra
         assert temp == report["xla_temp"] <= report["no_remat_temp"]
         # Over the budget only as the least a plan reaches (a BudgetWarning said so).
         assert temp <= report["budget"] or report.get("unmet")
+
+
+@examples(5)
+@given(jg.testing.graphs(), st.floats(0.05, 1.0))
+def test_remat_budget_never_exceeds_the_budget_or_no_remat(drawn, fraction):
+    _remat_budget_never_exceeds_the_budget_or_no_remat(drawn, fraction)
+
+
+@pytest.mark.f64
+@examples(2)
+@given(jg.testing.graphs(), st.floats(0.05, 1.0))
+def test_remat_budget_never_exceeds_the_budget_or_no_remat_f64(drawn, fraction):
+    _remat_budget_never_exceeds_the_budget_or_no_remat(drawn, fraction)
 
 
 def test_a_policy_may_exceed_no_remat_where_a_budget_never_does():
@@ -223,10 +244,7 @@ def test_a_policy_may_exceed_no_remat_where_a_budget_never_does():
     assert jg.memory(jg.remat(gb, budget=plain)).peak_bytes <= plain
 
 
-@BOTH_PRECISIONS
-@examples(25)
-@given(jg.testing.graphs(regions=False))
-def test_everything_saveable_is_no_remat(precision, drawn):
+def _everything_saveable_is_no_remat(drawn):
     g, _ = drawn
     gb = jg.backward(g)
     gr = jg.remat(gb, policy=jg.policies.everything_saveable)
@@ -234,10 +252,20 @@ def test_everything_saveable_is_no_remat(precision, drawn):
     assert jg.memory(gr).peak_bytes == jg.memory(gb).peak_bytes
 
 
-@BOTH_PRECISIONS
 @examples(25)
-@given(jg.testing.graphs(regions=False), st.sampled_from(ALL_POLICIES))
-def test_remat_saves_only_what_the_policy_saves(precision, drawn, policy):
+@given(jg.testing.graphs(regions=False))
+def test_everything_saveable_is_no_remat(drawn):
+    _everything_saveable_is_no_remat(drawn)
+
+
+@pytest.mark.f64
+@examples(5)
+@given(jg.testing.graphs(regions=False))
+def test_everything_saveable_is_no_remat_f64(drawn):
+    _everything_saveable_is_no_remat(drawn)
+
+
+def _remat_saves_only_what_the_policy_saves(drawn, policy):
     # DESIGN 4.2: a region keeps its inputs, params, outputs and what its policy saves; with
     # policy= the region is the whole forward, so every other value the backward reads is a copy.
     # A scan or cond is kept whole, outside that region: what it reads is a region output, its
@@ -261,6 +289,19 @@ def test_remat_saves_only_what_the_policy_saves(precision, drawn, policy):
                     else:  # or a small constant computed from literals alone: computed once
                         assert jg.policies.saves(policy, e) or e in small_constants(forward), (
                             str(eqn), str(e))
+
+
+@examples(25)
+@given(jg.testing.graphs(regions=False), st.sampled_from(ALL_POLICIES))
+def test_remat_saves_only_what_the_policy_saves(drawn, policy):
+    _remat_saves_only_what_the_policy_saves(drawn, policy)
+
+
+@pytest.mark.f64
+@examples(5)
+@given(jg.testing.graphs(regions=False), st.sampled_from(ALL_POLICIES))
+def test_remat_saves_only_what_the_policy_saves_f64(drawn, policy):
+    _remat_saves_only_what_the_policy_saves(drawn, policy)
 
 
 def _residual_saved_by(policy, loop, k) -> bool:
@@ -293,11 +334,10 @@ MATMUL_GRAPHS = jg.testing.graphs(ranks=(2, 3), dims=(2, 3), min_steps=2, intege
                                             "transpose"])
 
 
-@BOTH_PRECISIONS
-@examples(6)
-@given(st.one_of(jg.testing.graphs(), MATMUL_GRAPHS),
-       st.sampled_from(["regions", "nothing_saveable", "dots_saveable"]))
-def test_compiled_step_keeps_every_recomputed_dot(precision, drawn, variant):
+RECOMPUTING = st.sampled_from(["regions", "nothing_saveable", "dots_saveable"])
+
+
+def _compiled_step_keeps_every_recomputed_dot(drawn, variant):
     g, args = drawn
     gb = jg.backward(g)
     gr = jg.remat(gb) if variant == "regions" else jg.remat(gb, policy=policy_of(variant))
@@ -307,11 +347,21 @@ def test_compiled_step_keeps_every_recomputed_dot(precision, drawn, variant):
     assert jg.compiled_memory(gr, *args).dots >= plain + recomputed
 
 
+@examples(6)
+@given(st.one_of(jg.testing.graphs(), MATMUL_GRAPHS), RECOMPUTING)
+def test_compiled_step_keeps_every_recomputed_dot(drawn, variant):
+    _compiled_step_keeps_every_recomputed_dot(drawn, variant)
+
+
+@pytest.mark.f64
+@examples(2)
+@given(st.one_of(jg.testing.graphs(), MATMUL_GRAPHS), RECOMPUTING)
+def test_compiled_step_keeps_every_recomputed_dot_f64(drawn, variant):
+    _compiled_step_keeps_every_recomputed_dot(drawn, variant)
+
+
 # -- clean-up passes, evaluate and compile -------------------------------------------------------
-@BOTH_PRECISIONS
-@examples(10)
-@given(jg.testing.graphs(), st.sampled_from(ALL_POLICIES))
-def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(precision, drawn, policy):
+def _dce_and_cse_keep_outputs_and_never_merge_no_cse(drawn, policy):
     g, args = drawn
     gb = jg.backward(g)
     want = jg.evaluate(gb, *args)
@@ -327,6 +377,19 @@ def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(precision, drawn, polic
     assert_bitwise(jg.evaluate(dce(merged), *args), want)
 
 
+@examples(10)
+@given(jg.testing.graphs(), st.sampled_from(ALL_POLICIES))
+def test_dce_and_cse_keep_outputs_and_never_merge_no_cse(drawn, policy):
+    _dce_and_cse_keep_outputs_and_never_merge_no_cse(drawn, policy)
+
+
+@pytest.mark.f64
+@examples(3)
+@given(jg.testing.graphs(), st.sampled_from(ALL_POLICIES))
+def test_dce_and_cse_keep_outputs_and_never_merge_no_cse_f64(drawn, policy):
+    _dce_and_cse_keep_outputs_and_never_merge_no_cse(drawn, policy)
+
+
 def _evaluate_and_compile_agree(drawn):
     g, args = drawn
     gb = jg.backward(g)
@@ -340,7 +403,7 @@ def test_evaluate_and_compile_agree(drawn):
 
 
 @pytest.mark.f64
-@examples(5)
+@examples(2)
 @given(jg.testing.graphs())
 def test_evaluate_and_compile_agree_f64(drawn):
     _evaluate_and_compile_agree(drawn)
