@@ -54,8 +54,10 @@ def test_the_nodes_cover_the_graph_in_its_order_and_a_skip_counts_once(unet3):
     assert [e for node in coarse.nodes for e in node] == list(graph.eqns)
     forward = [k for k, node in enumerate(coarse.nodes) if all(is_forward(e) for e in node)]
     assert coarse.repeatable == [k in forward for k in range(len(coarse.nodes))]
-    dots = [sum(e.op == "dot_general" for e in coarse.nodes[k]) for k in forward]
-    assert dots == [1] * 12 + [0]  # a contraction per node, the loss's mean on its own
+    # each contraction is a node of its own: keeping it and recomputing what follows is a plan
+    dots = [[e.op for e in coarse.nodes[k]] for k in forward
+            if any(e.op == "dot_general" for e in coarse.nodes[k])]
+    assert dots == [["dot_general"]] * 12
     # each value read by another node counts once, in its producer's node: the encoder's
     # outputs (read by the next level, their decoder level and the backward) included
     node_of = {v: k for k, node in enumerate(coarse.nodes) for e in node for v in e.outputs}
@@ -63,9 +65,10 @@ def test_the_nodes_cover_the_graph_in_its_order_and_a_skip_counts_once(unet3):
               if isinstance(a, jg.Var) and node_of.get(a, k) != k}
     assert sum(coarse.dag.memory.values()) == sum(nbytes(v.aval) for v in shared)
     # the first level's output: read by the second level, its decoder level and the backward
+    first = next(k for k, node in enumerate(coarse.nodes) if node[-1].op == "tanh")
     readers = {k for k, node in enumerate(coarse.nodes) for e in node for a in e.inputs
-               if node_of.get(a) == 1}
-    assert len(readers) >= 3 and coarse.dag.memory[1] == 64 * 32 * 4
+               if node_of.get(a) == first}
+    assert len(readers) >= 3 and coarse.dag.memory[first] == 64 * 32 * 4
 
 
 def test_the_topological_schedule_is_the_graph_itself(unet3):
@@ -122,9 +125,14 @@ def test_a_graph_without_a_backward_is_not_coarsened():
     assert on_graph.coarsen(graph) is None
 
 
-def test_the_exact_planner_schedules_the_graph_where_it_recomputes_less():
+def test_the_exact_planner_schedules_the_graph_where_it_recomputes_less(monkeypatch):
     """A 3-level U-Net at 50%: the chain's plans keep a long skip's value once per cut it
-    crosses; the graph's schedule counts it once and recomputes less than half as much."""
+    crosses; the graph's schedule counts it once and recomputes less than half as much (within
+    a few seconds: the fast schedule of the graph does, the MILP improves on it)."""
+    from jgraph.planner import search
+
+    monkeypatch.setattr(search, "TIME_LIMIT", 4.0)
+    monkeypatch.setattr(search, "ON_GRAPH_SECONDS", 4.0)
     args = unet_args(3, 32, 64)
     gb = jg.backward(jg.trace(unet(), *args, param_argnums=0))
     fast = jg.remat(gb, budget="50%", planner="fast").info["remat"]

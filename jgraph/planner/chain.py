@@ -266,12 +266,11 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
 
 def valley_cuts(forward: Forward, fronts=None) -> list[int]:
     """The best cut of each valley (`stages`): k, for a cut after forward eqn k. Between two
-    contractions or loops there is one, so these cut the forward into its contractions, each
-    with the cheap eqns around it (`jgraph.planner.on_graph`'s nodes)."""
+    contractions or loops there is one (`jgraph.planner.on_graph` cuts there too)."""
     fronts = frontier_bytes(forward) if fronts is None else fronts
     best, valley = [], []
     for k in range(len(forward.eqns) - 1):
-        if valley and _expensive(forward.eqns[k]):
+        if valley and expensive(forward.eqns[k]):
             best.append(_best_cut(fronts, valley))
             valley = []
         if fronts[k][0] > 0:
@@ -281,7 +280,7 @@ def valley_cuts(forward: Forward, fronts=None) -> list[int]:
     return best
 
 
-def _expensive(eqn: Eqn) -> bool:
+def expensive(eqn: Eqn) -> bool:
     """A contraction or a loop: what separates the valleys of cheap cuts."""
     return eqn.op in ("dot_general", "conv_general_dilated") or bool(sub_graphs(eqn))
 

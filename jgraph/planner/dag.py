@@ -429,6 +429,13 @@ def schedule(dag: Dag, budget, solver: str = "auto", time_limit: float | None = 
     and fallback) or "fast" (a few greedy runs, seconds). `time_limit` (default `TIME_LIMIT`
     seconds) bounds "auto" as a whole and "exact"'s MILP. Raises `TransformError` when no
     schedule is found within the budget, naming the least peak possible and the least found."""
+    return scheduled(dag, budget, solver, time_limit)
+
+
+def scheduled(dag: Dag, budget, solver: str = "auto", time_limit: float | None = None,
+              explain: bool = True) -> Schedule:
+    """`schedule`; with `explain=False`, a budget no solver meets raises at once, without
+    looking for the least peak the fast solver reaches (seconds) to name in the error."""
     start = time.monotonic()
     if not isinstance(dag, Dag):
         raise TransformError(f"schedule: dag is a {type(dag).__name__}, not a jg.planner.Dag")
@@ -486,7 +493,8 @@ def schedule(dag: Dag, budget, solver: str = "auto", time_limit: float | None = 
         elif code == 2 and best is not None:  # nothing in Checkmate's space as cheap as best
             status, bound = "optimal", _stages_cost(ix, best)
     if best is None:
-        raise TransformError(_no_schedule(dag, budget, lower))
+        raise TransformError(_no_schedule(dag, budget, lower) if explain else
+                             f"schedule: no schedule found within budget={budget}")
     return result(best, name, status, bound)
 
 

@@ -6,10 +6,12 @@ The chain model (`chain`) plans nested segments over a chain of stages and count
 crosses several cuts (a long skip) once per cut held; the hand arrangements (`hand`) are what a
 user writes. Here a value counts once wherever its readers are, and any schedule of the DAG is a
 plan, nested or not:
-- *nodes*: the forward cut at the best cut of each valley (`chain.valley_cuts`: a contraction or
-  a loop with the cheap eqns around it), at most `MAX_FORWARD_NODES` (thinned evenly by cost);
-  the rest of the graph (the backward, and a tail such as an optimizer update) cut, in its own
-  order, where it first reads each forward node. A node's memory is the bytes of its values
+- *nodes*: the forward cut before and after each contraction or loop (`chain.expensive`) and
+  at the best cut of each valley of cheap eqns between them (`chain.valley_cuts`), so that
+  keeping a contraction's output and recomputing the cheap eqns after it (`dots_saveable`) is a
+  schedule; at most `MAX_FORWARD_NODES` (thinned evenly by cost). The rest of the graph (the
+  backward, and a tail such as an optimizer update) is cut, in its own order, where it first
+  reads each forward node. A node's memory is the bytes of its values
   other nodes read (the graph's inputs and outputs are no temp, and the forward's constants are
   kept); its cost, its eqns' recompute flops (`cost.eqn_cost`). A node that must not run twice
   (the backward's: it accumulates; a stateful RNG; an effect) costs `NEVER` times the forward,
@@ -21,8 +23,10 @@ plan, nested or not:
   frees are implicit: a copy lives until its last reader, as `replay` holds it.
 - *checked on XLA* (`fitting`): the Dag's budget is the byte budget less what XLA allocates
   beyond the Dag's topological peak (the graph as it runs without a plan: cotangents inside a
-  node, layout copies); when the compiled plan misses the byte budget, the Dag's budget shrinks
-  by what was missed and the DAG is scheduled again (`ROUNDS`).
+  node, layout copies), or scaled by their ratio when the Dag counts more than XLA allocates
+  (a node's values are held together; XLA frees each after its last reader): the smaller. When
+  the compiled plan misses the byte budget, the Dag's budget shrinks by the ratio missed and the
+  DAG is scheduled again (`ROUNDS`).
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Var
 from jgraph.opkinds import nbytes
 from jgraph.passes import dce
-from jgraph.planner.chain import Forward, thinned, valley_cuts
+from jgraph.planner.chain import Forward, expensive, thinned, valley_cuts
 from jgraph.planner.cost import eqn_cost
-from jgraph.planner.dag import schedule
+from jgraph.planner.dag import scheduled
 from jgraph.planner.dag_model import Dag
 from jgraph.regions import NEVER_RECOMPUTED, prune_recomputed_loops
 
-MAX_FORWARD_NODES = 40  # the MILP grows as the square of the nodes
+MAX_FORWARD_NODES = 64  # the MILP grows as the square of the nodes
 NEVER = 1000.0  # a node that must not run twice costs this many times the whole forward
 ROUNDS = 3  # schedules solved and compiled, each at a tighter Dag budget than the last missed
 MARGIN = 0.98  # each tightening aims this much below what was missed
@@ -95,7 +99,8 @@ def coarsen(graph: Graph, max_forward: int = MAX_FORWARD_NODES) -> Coarse | None
     rest = graph.eqns[n:]
     if n == 0 or not rest:
         return None
-    cuts = [k + 1 for k in valley_cuts(forward)]
+    contractions = {k + 1 for k, e in enumerate(forward.eqns[:-1]) if expensive(e)}
+    cuts = sorted(contractions.union(k + 1 for k in valley_cuts(forward)))
     if len(cuts) + 1 > max_forward:
         cuts = thinned(forward, cuts, max_forward - 1)
     bounds = [0, *cuts, n]
@@ -141,13 +146,15 @@ def fitting(graph: Graph, target: int, measure, seconds: float, finish=None):
     if coarse is None:
         return None
     unplanned = graph if finish is None else finish(graph)
-    budget = target - (measure(unplanned) - coarse.dag.topological_peak())
+    temp, peak = measure(unplanned), coarse.dag.topological_peak()
+    budget = min(target - (temp - peak), target * peak / temp)
     for round_ in range(ROUNDS):
         left = deadline - time.monotonic()
         if budget <= 0 or left <= 0:
             return None
         try:
-            found = schedule(coarse.dag, budget, time_limit=left / (ROUNDS - round_))
+            found = scheduled(coarse.dag, budget, time_limit=left / (ROUNDS - round_),
+                              explain=False)
         except TransformError:  # nothing fits the Dag's budget
             return None
         planned = coarse.graph_of(found.events)
@@ -157,5 +164,5 @@ def fitting(graph: Graph, target: int, measure, seconds: float, finish=None):
         temp = measure(planned)
         if temp <= target:
             return planned, temp, found
-        budget = found.peak - (temp - target) / MARGIN
+        budget = found.peak * MARGIN * target / temp
     return None
