@@ -2,7 +2,9 @@
 and the pytrees a drawn graph is called with.
 
 `examples(n)`: n examples under the `ci` profile (the default run); under any other profile its own
-count (`thorough`: 1000), so `HYPOTHESIS_PROFILE=thorough` draws >= 1000 graphs per property.
+count (`thorough`: 1000), so `HYPOTHESIS_PROFILE=thorough` draws >= 1000 graphs per property. A
+float64 twin (`*_f64`, the `f64` marker: x64 on while drawing) checks what its float32 test checks
+and draws fewer examples under `ci`.
 """
 
 from __future__ import annotations
@@ -11,14 +13,10 @@ import os
 
 import jax
 import numpy as np
-import pytest
 from hypothesis import settings
 
 import jgraph as jg
 
-# Run a property in float32 (x64 off) and in float64 (the `f64` marker: x64 on while drawing).
-BOTH_PRECISIONS = pytest.mark.parametrize(
-    "precision", [pytest.param("f32"), pytest.param("f64", marks=pytest.mark.f64)])
 QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 

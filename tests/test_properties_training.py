@@ -18,7 +18,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from properties import (
-    BOTH_PRECISIONS,
     argnums,
     assert_bitwise,
     assert_close,
@@ -65,10 +64,10 @@ def _micro_batch(args, g, k, m):
                  for i, a in enumerate(args))
 
 
-@BOTH_PRECISIONS
-@examples(5)
-@given(jg.testing.recipes(aux=False), st.sampled_from([1, 2, 4]), st.sampled_from(["mean", "sum"]))
-def test_accumulate_over_k_micro_batches_equals_the_full_batch(precision, recipe, period, loss):
+PERIODS_AND_LOSSES = (st.sampled_from([1, 2, 4]), st.sampled_from(["mean", "sum"]))
+
+
+def _accumulate_equals_the_full_batch(recipe, period, loss):
     g = to_graph(recipe)
     reduce = jnp.mean if loss == "mean" else jnp.sum
     batch = _batch_of_examples(recipe, g)
@@ -90,16 +89,29 @@ def test_accumulate_over_k_micro_batches_equals_the_full_batch(precision, recipe
     assert_close(accs, want_grads, tol)
 
 
+@examples(5)
+@given(jg.testing.recipes(aux=False), *PERIODS_AND_LOSSES)
+def test_accumulate_over_k_micro_batches_equals_the_full_batch(recipe, period, loss):
+    _accumulate_equals_the_full_batch(recipe, period, loss)
+
+
+@pytest.mark.f64  # the float32 test's check in float64: a few examples in the ci run
+@examples(2)
+@given(jg.testing.recipes(aux=False), *PERIODS_AND_LOSSES)
+def test_accumulate_over_k_micro_batches_equals_the_full_batch_f64(recipe, period, loss):
+    _accumulate_equals_the_full_batch(recipe, period, loss)
+
+
 def _state_graphs(g, tx, period):
     gb = jg.backward(g)
     ga = jg.accumulate(gb, period, "mean") if period else gb
     return ga, jg.optimizer_step(ga, tx)
 
 
-@BOTH_PRECISIONS
-@examples(10)
-@given(jg.testing.graphs(), st.sampled_from(sorted(OPTIMIZERS)), st.sampled_from([None, 1, 3]))
-def test_reset_gives_the_state_init_gives(precision, drawn, name, period):
+STATES = (st.sampled_from(sorted(OPTIMIZERS)), st.sampled_from([None, 1, 3]))
+
+
+def _reset_gives_the_state_init_gives(drawn, name, period):
     g, args = drawn
     tx = OPTIMIZERS[name]
     ga, go = _state_graphs(g, tx, period)
@@ -111,6 +123,19 @@ def test_reset_gives_the_state_init_gives(precision, drawn, name, period):
         assert_bitwise(got["counter"], jnp.int32(0))
         assert_bitwise(jg.evaluate(jg.reset(ga), params),
                        {"counter": jnp.int32(0), "grad_acc": got["grad_acc"]})
+
+
+@examples(10)
+@given(jg.testing.graphs(), *STATES)
+def test_reset_gives_the_state_init_gives(drawn, name, period):
+    _reset_gives_the_state_init_gives(drawn, name, period)
+
+
+@pytest.mark.f64  # the float32 test's check in float64: a few examples in the ci run
+@examples(3)
+@given(jg.testing.graphs(), *STATES)
+def test_reset_gives_the_state_init_gives_f64(drawn, name, period):
+    _reset_gives_the_state_init_gives(drawn, name, period)
 
 
 def _optimizer_step_is_optax(drawn, name):
