@@ -243,7 +243,11 @@ def residual_blocks(n=6, width=32, hidden=128, batch=64):
     return loss, (ps, jax.random.normal(keys[-1], (batch, width), F32))
 
 
-def test_the_exact_planner_solves_its_milp_and_fits():
+def test_the_exact_planner_solves_its_milp_and_fits(monkeypatch):
+    from jgraph.planner import search
+
+    monkeypatch.setattr(search, "TIME_LIMIT", 6.0)  # the MILPs' limits: not what is tested
+    monkeypatch.setattr(search, "ON_GRAPH_SECONDS", 3.0)
     fn, args = residual_blocks()
     gb = joint(fn, *args)
     gr = jg.remat(gb, budget="60%", planner="exact")
