@@ -1,7 +1,7 @@
 """The exact planner against the fast one (issue 27): `planner="exact"` (the chain MILP and
 Checkmate's schedule of the graph itself, `jgraph.planner.on_graph`) beside `planner="fast"`
-(the default for big graphs) on `bench_planner`'s models and a 4-level U-Net (`unet4`: width
-64, batch 128).
+(the default for big graphs) on `bench_planner`'s models and a small 4-level U-Net (`unet4s`:
+width 64, batch 128).
 
 Per model and budget (a share of jgraph's no-remat compiled temp), a row: each planner's compiled
 temp (XLA's donated step, as the planner reports it; every plan fits its budget or the row says
@@ -34,8 +34,8 @@ PLANNERS = ("fast", "exact")
 
 
 def model(name: str):
-    """(loss, args) of a `bench_planner` model, or of the 4-level U-Net `unet4`."""
-    if name == "unet4":
+    """(loss, args) of a `bench_planner` model, or of the small 4-level U-Net `unet4s`."""
+    if name == "unet4s":
         return unet(), unet_args(4, 64, 128)
     fn, args, _ = models()[name]
     return fn, args
@@ -109,11 +109,11 @@ def format_rows(rows) -> list[str]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", help="unet4 and bench_planner's models")
+    parser.add_argument("models", nargs="*", help="unet4s and bench_planner's models")
     parser.add_argument("--budgets", nargs="+", type=int, default=[75, 50, 25])
     parser.add_argument("--time", action="store_true", help="time the planned steps too")
     args = parser.parse_args(argv)
-    names = args.models or ["unet4", *models()]
+    names = args.models or ["unet4s", *models()]
     rows = []
     for name in names:
         started = time.perf_counter()

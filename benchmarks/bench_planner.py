@@ -5,8 +5,8 @@ transformer LM (d_model 256, seq 128, batch 8, 4 heads, MLP 1024), a 64-layer sc
 (`tanh(h @ W[i] + b[i])` in a `lax.scan`, width 128, batch 1024: activations dominate its temp;
 at width 512 and batch 256 the gradients XLA stacks for the scan alone are half of it), an
 8-level U-Net-shaped MLP (`unet8`: feed-forward blocks of width 256 and 1024, batch 256, each
-encoder level's output added to its decoder level's input) and the 8-layer transformer LM with
-its layers in a `lax.scan` (`scanlm8`: vocab 4096, batch 8).
+encoder level's output added to its decoder level's input), its 4-level twin (`unet4`), and the
+8-layer transformer LM with its layers in a `lax.scan` (`scanlm8`: vocab 4096, batch 8).
 
 For each model and each budget (25%, 50%, 75% of jgraph's no-remat compiled donated temp; rows
 "25%J" ... at the same fractions of JAX's no-remat temp, where that is over 10% larger; rows
@@ -248,6 +248,9 @@ def models():
             "8 x 8 nested scans, checkpointed body": scanned(split=(8,), inner=ckpt),
             "4 x 4 x 4 nested scans": scanned(split=(16, 4)),
             "4 x 4 x 4 nested scans, checkpointed body": scanned(split=(16, 4), inner=ckpt)}),
+        "unet4": (unet(), unet_args(levels=4), {
+            "no remat": unet(), "checkpoint per layer": unet(ckpt),
+            "per layer, dots_saveable": unet(lambda f: ckpt(f, policy=cp.dots_saveable))}),
         "unet8": (unet(), unet_args(), {
             "no remat": unet(), "checkpoint per layer": unet(ckpt),
             "per layer, dots_saveable": unet(lambda f: ckpt(f, policy=cp.dots_saveable))}),
@@ -513,7 +516,7 @@ def rows(quick: bool = False) -> list[dict]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*",
-                        help="chain32 resmlp16 transformer6 scan64 unet8 scanlm8")
+                        help="chain32 resmlp16 transformer6 scan64 unet4 unet8 scanlm8")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plot", help="write the frontier figure (PNG) here")
     args = parser.parse_args(argv)

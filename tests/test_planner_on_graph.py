@@ -3,8 +3,9 @@
 
 Checked: the nodes cover the graph in its order and a long skip's value counts once; the
 topological schedule reads back as the graph itself; schedules with recomputes give
-the unplanned graph's values bitwise under `jg.evaluate` (and those are `jax.value_and_grad`'s);
-a schedule running a backward node twice is refused; `planner="exact"` takes the graph's
+the unplanned graph's values bitwise under `jg.evaluate` (and those are `jax.value_and_grad`'s),
+recomputed scans and conds included; a schedule running a backward node twice is refused, and a
+node with an effect is never run twice; `planner="exact"` takes the graph's
 schedule where it recomputes less than the chain's plans and its compiled step (XLA's donated
 step: the copies are neither merged back nor run early) fits the budget.
 """
@@ -143,3 +144,52 @@ def test_the_exact_planner_schedules_the_graph_where_it_recomputes_less(monkeypa
     assert xla_temp(exact) == report["xla_temp"]
     assert report["recompute_flops"] < 0.5 * fast["recompute_flops"]
     assert_close_to_jax(jg.evaluate(exact, *args), args)
+
+
+def scan_and_cond_loss(params, x):
+    """A recurrent block (a scan), a cond on the data and a skip over both."""
+    def cell(h, w):
+        return jnp.tanh(h @ w), h.sum()
+
+    h, _ = jax.lax.scan(cell, jnp.tanh(x @ params["w0"]), params["ws"])
+    h = jax.lax.cond(x.sum() > 0, lambda a: jnp.sin(a), lambda a: jnp.cos(a), h @ params["w1"])
+    return jnp.mean((h + x) ** 2)
+
+
+def test_recomputed_loops_and_conds_give_the_same_values():
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w0": jax.random.normal(keys[0], (16, 16)) / 4,
+              "ws": jax.random.normal(keys[1], (3, 16, 16)) / 4,
+              "w1": jax.random.normal(keys[2], (16, 16)) / 4}
+    args = (params, jax.random.normal(keys[3], (8, 16)))
+    graph = problems(jg.backward(jg.trace(scan_and_cond_loss, *args, param_argnums=0)))[
+        "loops as traced"].graph
+    coarse = on_graph.coarsen(graph)
+    loops = [k for k, node in enumerate(coarse.nodes) if coarse.repeatable[k]
+             and any(e.op in ("scan", "cond") for e in node)]
+    assert len(loops) == 2
+    found = schedule(coarse.dag, coarse.dag.lower_bound() * 1.05, "fast")
+    assert found.recomputes and any(
+        sum(1 for kind, n in found.events if kind == "compute" and n == k) > 1 for k in loops)
+    planned = coarse.graph_of(found.events)
+    assert {e.op for e in planned.eqns if "recompute" in e.tags} & {"scan", "cond"}
+    value, grads = jax.value_and_grad(scan_and_cond_loss)(*args)
+    got = jg.evaluate(planned, *args)
+    np.testing.assert_allclose(got[0], value, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_node_with_an_effect_is_not_run_twice():
+    def loss(w, x):
+        h = jnp.tanh(x @ w)
+        jax.debug.print("h {}", h.sum())
+        return jnp.mean(jnp.tanh(h @ w) ** 2)
+
+    args = (jnp.eye(8), jnp.ones((4, 8)))
+    graph = problems(jg.backward(jg.trace(loss, *args, param_argnums=0)))[
+        "loops as traced"].graph
+    coarse = on_graph.coarsen(graph)
+    printing = [k for k, node in enumerate(coarse.nodes)
+                if any(e.op == "debug_print" for e in node)]
+    assert printing and not any(coarse.repeatable[k] for k in printing)
