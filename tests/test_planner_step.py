@@ -201,7 +201,7 @@ def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
 
 
 
-def test_small_chunks_are_planned_only_when_nothing_else_fits():
+def test_small_chunks_are_planned_only_when_nothing_else_fits(monkeypatch):
     """A U-Net-shaped MLP's decoder makes rows wider and ends in a mean over rows: the chunked
     option runs it over chunks of 16 rows, which meets 50% with no recompute but runs its
     contractions on thin matrices (the bench's 8-level U-Net at batch 256, chunks of 32 rows:
@@ -210,7 +210,9 @@ def test_small_chunks_are_planned_only_when_nothing_else_fits():
     budgets nothing else meets (`test_a_budget_only_the_chunked_loss_head_meets_is_met`, 64
     rows a chunk)."""
     from benchmarks.bench_planner import unet, unet_args
+    from jgraph.planner import search
 
+    monkeypatch.setattr(search, "AUTO_TIME_LIMIT", 2.0)  # "auto"'s MILP: not what is tested
     unet_mlp, (params, x) = unet(), unet_args(levels=4, width=64, batch=128)
     gb = jg.backward(jg.trace(unet_mlp, params, x, param_argnums=0))
     with warnings.catch_warnings():
