@@ -193,3 +193,20 @@ def test_a_node_with_an_effect_is_not_run_twice():
     printing = [k for k, node in enumerate(coarse.nodes)
                 if any(e.op == "debug_print" for e in node)]
     assert printing and not any(coarse.repeatable[k] for k in printing)
+
+
+def test_compiled_in_bfloat16_a_schedule_is_bitwise_no_remat():
+    """Narrow floats: the forward's values the backward reads are the forward's own buffers,
+    and a recompute copy rounds as the original does (compiled, where XLA fuses)."""
+    params, x = unet_args(3, 32, 64)
+    params, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params, x))
+    graph = problems(jg.backward(jg.trace(unet(), params, x, param_argnums=0)))[
+        "loops as traced"].graph
+    coarse = on_graph.coarsen(graph)
+    found = schedule(coarse.dag, 0.45 * coarse.dag.topological_peak(), "fast")
+    assert found.recomputes
+    got = jg.compile(coarse.graph_of(found.events))(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jg.compile(graph)(params, x)),
+                    strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
