@@ -219,11 +219,11 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     else:  # the plans needing the least memory of each mode and the hand arrangements
         smallest = _smallest_plans(by_mode, tried) + [
             (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
-        on = (None, None) if planner != "exact" else _on_graph(
-            by_mode["loops as traced"], float("inf"), target, tried, started)
-        if on[1] is not None:
+        if planner == "exact":  # tried here once: its schedule is one more candidate
+            on = _on_graph(by_mode["loops as traced"], float("inf"), target, tried, started)
             report["on_graph"] = on[0]
-            smallest.append((on[1][0], on[1][1], on[1][3]))
+            if on[1] is not None:
+                smallest.append((on[1][0], on[1][1], on[1][3]))
         fitting = [s for s in smallest if s[2] <= target]
         if not fitting and kind == "fraction":
             return _least(done, smallest, report | {"used": used}, budget, tried, started)
@@ -236,7 +236,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         report["milp"] = exact[0]
         if exact[1] is not None:
             plan, candidate, estimate, temp = exact[1]
-    if planner == "exact" and not plan.label.startswith(ON_GRAPH):
+    if planner == "exact" and "on_graph" not in report:
         on = _on_graph(by_mode[plan.base], recompute_flops(candidate), target, tried, started)
         report["on_graph"] = on[0]
         if on[1] is not None:
