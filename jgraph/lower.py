@@ -60,6 +60,7 @@ from jgraph import opkinds
 from jgraph.check import validate
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, Var, is_float
+from jgraph.target import STATE_ROLES, TargetError, resolve
 
 
 def _taintable(aval) -> bool:
@@ -395,8 +396,13 @@ def as_function(graph: Graph):
 
 
 def compile(graph: Graph, *, in_shardings=None, out_shardings=None,  # noqa: A001 - fixed name
-            donate_argnums=()):
+            donate_argnums=(), target=None):
     """`jax.jit` of the graph; arguments and results are pytrees as in the traced function.
+
+    `target=` (`jgraph.target`: a device, a Sharding, a Mesh or a platform name) places the
+    arguments there, as `in_shardings` would: on a mesh the data split along its data axis and
+    the state (params, optimizer state, accumulators) replicated. A topology's device (ahead of
+    time) compiles, through `.lower(...)`, without running.
 
     `in_shardings`, `out_shardings` and `donate_argnums` are passed to `jax.jit` as they are
     (shardings as pytree prefixes of the arguments and results, e.g. `NamedSharding`s of a
@@ -404,9 +410,25 @@ def compile(graph: Graph, *, in_shardings=None, out_shardings=None,  # noqa: A00
     constraints met while tracing (`jax.lax.with_sharding_constraint`) are ops of the graph and
     are lowered as such."""
     validate(graph, "jg.compile")
+    if target is not None:
+        if in_shardings is not None:
+            raise TargetError("jg.compile: give target= or in_shardings=, not both (a target "
+                              "places every argument)")
+        in_shardings = _placed(graph, resolve(target))
     shardings = {"in_shardings": in_shardings, "out_shardings": out_shardings}
     return Compiled(graph, jax.jit(as_function(graph), donate_argnums=donate_argnums,
                                    **{k: v for k, v in shardings.items() if v is not None}))
+
+
+def _placed(graph: Graph, target) -> tuple:
+    """The graph's arguments' shardings on `target`, as a pytree of its call arguments."""
+    state = [r in STATE_ROLES for r in graph.input_roles]
+    names = [f"input {k} ({r})" for k, r in enumerate(graph.input_roles)]
+    leaves = [target.sharding(v.aval, s, n) for v, s, n in zip(graph.inputs, state, names,
+                                                                 strict=True)]
+    if graph.in_tree is None:
+        return tuple(leaves)
+    return jax.tree.unflatten(graph.in_tree, leaves)
 
 
 class Compiled:

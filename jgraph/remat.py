@@ -26,6 +26,7 @@ from jgraph.planner import validate as planner_validate
 from jgraph.planner.search import forward_and_tail, step_rewritten
 from jgraph.planner.validate import xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
+from jgraph.target import Target, measuring_on, resolve
 
 CHUNKS = 8  # the loss head's chunks of rows, when the planner tries them
 # A chunk of fewer rows runs its contractions on thin matrices, slowly (an 8-level U-Net MLP at
@@ -35,13 +36,16 @@ SMALL_CHUNK_ROWS = 256
 
 
 def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
-          chunks: int | None = CHUNKS) -> Graph:
+          chunks: int | None = CHUNKS, target=None) -> Graph:
     """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
-    `budget=` (bytes of the compiled donated step's temp, or a percentage string such as "50%"
-    of no remat's) plans regions itself instead, with `planner` "auto", "exact" or "fast"
-    (`jgraph.planner`), a step's updates fused where their gradients are made, and the loss
-    head over `chunks` chunks of rows as an option (`chunks=None`: never; the chunked head's
-    sums differ from the whole head's in their order, within 1e-6 normwise)."""
+    `budget=` (bytes of the figure that bounds the compiled donated step on `target`: its temp
+    on CPU, its peak on TPU and GPU (`jgraph.target`), or a percentage string such as "50%" of
+    no remat's) plans regions itself instead, every plan measured by `target`'s compiler (a
+    local device, a topology's device for ahead-of-time work, a Sharding or a Mesh; None: the
+    default backend's device), with `planner` "auto", "exact" or "fast" (`jgraph.planner`), a
+    step's updates fused where their gradients are made, and the loss head over `chunks`
+    chunks of rows as an option (`chunks=None`: never; the chunked head's sums differ from the
+    whole head's in their order, within 1e-6 normwise)."""
     validate(graph, "jg.remat")
     if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "
@@ -49,7 +53,10 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
     if budget is not None:
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
-        return _planned(graph, budget, planner, chunks)
+        with measuring_on(target) as where:
+            return _on_target(_planned(graph, budget, planner, chunks), where)
+    if target is not None:
+        resolve(target)  # (a bad target is an error however it is used)
     if planner != "auto":
         raise TransformError(f"remat(planner={planner!r}) chooses how a budget is planned: give "
                              "budget= too")
@@ -62,13 +69,22 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
 
 
 def planned_then(graph: Graph, then, *, budget, planner: str = "auto",
-                 chunks: int | None = CHUNKS) -> Graph:
+                 chunks: int | None = CHUNKS, target=None) -> Graph:
     """`remat(graph, budget=...)` of the step that runs `then(graph)` (Graph -> Graph: what the
     caller appends to every graph, such as the non-finite guard of `jg.Optimizer`): `then` is
     applied to each graph the planner measures and to the one returned, and a percentage is of
-    `then(graph)`'s temp without remat."""
+    `then(graph)`'s figure without remat."""
     validate(graph, "jg.remat")
-    return _planned(graph, budget, planner, chunks, then)
+    with measuring_on(target) as where:
+        return _on_target(_planned(graph, budget, planner, chunks, then), where)
+
+
+def _on_target(graph: Graph, target: Target) -> Graph:
+    """`info["remat"]` says which target the plan was measured on and which figure it bounds."""
+    if graph is None or "remat" not in graph.info:
+        return graph
+    return graph.replace(info={**graph.info, "remat": {
+        **graph.info["remat"], "target": target.describe(), "figure": target.figure}})
 
 
 def _loops(graph: Graph) -> list[Eqn]:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent / "jgraph"
 LAYERS = [
     ["errors", "config", "_jax_internals", "checkpoint"],   # nothing of jgraph
     ["ir"],                        # Var, Literal, Eqn, Graph; field checks; the text form
-    ["ops", "opkinds", "plot"],    # op tables (shape rules, lowerings); what XLA does per op
+    ["ops", "opkinds", "plot", "target"],  # op tables; what XLA does per op; targets
     ["passes", "policies", "custom_lowering"],
     ["builder"],                   # the tracer's eqn builder and its handler table
     ["control_flow", "effects", "custom_derivatives"],   # tracer handlers and their ops

@@ -15,19 +15,20 @@ import functools
 from jgraph.dropin.transform import ValueAndGrad
 
 
-def filter_value_and_grad(fun=None, *, has_aux=False, policy=None, budget=None):
+def filter_value_and_grad(fun=None, *, has_aux=False, policy=None, budget=None, target=None):
     """`(value, grads)` of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of `x`."""
     if fun is None:
         return functools.partial(filter_value_and_grad, has_aux=has_aux, policy=policy,
-                                 budget=budget)
-    return ValueAndGrad(fun, 0, has_aux, policy=policy, budget=budget, filtered=True,
-                        name="jg.filter_value_and_grad")
+                                 budget=budget, target=target)
+    return ValueAndGrad(fun, 0, has_aux, policy=policy, budget=budget, target=target,
+                        filtered=True, name="jg.filter_value_and_grad")
 
 
-def filter_grad(fun=None, *, has_aux=False, policy=None, budget=None):
+def filter_grad(fun=None, *, has_aux=False, policy=None, budget=None, target=None):
     """`grads` (or `(grads, aux)`) of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of
     `x`."""
     if fun is None:
-        return functools.partial(filter_grad, has_aux=has_aux, policy=policy, budget=budget)
-    return ValueAndGrad(fun, 0, has_aux, policy=policy, budget=budget, value=False,
+        return functools.partial(filter_grad, has_aux=has_aux, policy=policy, budget=budget,
+                                 target=target)
+    return ValueAndGrad(fun, 0, has_aux, policy=policy, budget=budget, target=target, value=False,
                         filtered=True, name="jg.filter_grad")

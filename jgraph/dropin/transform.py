@@ -101,11 +101,12 @@ class ValueAndGrad:
     """The transform `jg.value_and_grad(fun, ...)` returns (with `value=False`: `jg.grad`)."""
 
     def __init__(self, fun, argnums=0, has_aux=False, *, allow_int=False, policy=None,
-                 budget=None, value=True, filtered=False, name="jg.value_and_grad"):
+                 budget=None, value=True, filtered=False, name="jg.value_and_grad", target=None):
         arguments.check_callable(fun, name)
         self.fun, self.has_aux, self.allow_int = fun, bool(has_aux), bool(allow_int)
         self.argnums = arguments.normalize_argnums(argnums, name)
         self.policy, self.budget, self.value, self.filtered = policy, budget, value, filtered
+        self.target = target
         self.name = name
         self._cache = TraceCache()  # Signature -> Entry
         functools.update_wrapper(self, fun, updated=())
@@ -191,7 +192,7 @@ class ValueAndGrad:
         else:
             joint = backward(graph)
             if self.policy is not None or self.budget is not None or joint.regions:
-                joint = remat(joint, self.policy, budget=self.budget)
+                joint = remat(joint, self.policy, budget=self.budget, target=self.target)
         return Entry(joint, GraphRunner(joint, closed_over), outputs,
                      _grad_slots(call, joint), isinstance(self.argnums, int), has_aux,
                      self.filtered)
@@ -238,20 +239,21 @@ def _check_options(name, holomorphic, reduce_axes):
 
 
 def value_and_grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False,
-                   reduce_axes=(), *, policy=None, budget=None) -> ValueAndGrad:
+                   reduce_axes=(), *, policy=None, budget=None, target=None) -> ValueAndGrad:
     """`jax.value_and_grad`, computed by jgraph's backward graph (see the module docstring).
 
-    `policy=` (a `jg.policies` / `jax.checkpoint_policies` policy) and `budget=` (bytes) are
-    passed to `jg.remat`; `jax.checkpoint` regions in `fun` are rematerialized in any case."""
+    `policy=` (a `jg.policies` / `jax.checkpoint_policies` policy), `budget=` (bytes, or a
+    percentage) and `target=` (the chip the budget is planned for, `jgraph.target`) are passed
+    to `jg.remat`; `jax.checkpoint` regions in `fun` are rematerialized in any case."""
     _check_options("jg.value_and_grad", holomorphic, reduce_axes)
     return ValueAndGrad(fun, argnums, has_aux, allow_int=allow_int, policy=policy,
-                        budget=budget)
+                        budget=budget, target=target)
 
 
 def grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, reduce_axes=(), *,
-         policy=None, budget=None) -> ValueAndGrad:
+         policy=None, budget=None, target=None) -> ValueAndGrad:
     """`jax.grad`, computed by jgraph's backward graph: `grads`, or `(grads, aux)` with
     `has_aux`. Options as `value_and_grad`'s."""
     _check_options("jg.grad", holomorphic, reduce_axes)
     return ValueAndGrad(fun, argnums, has_aux, allow_int=allow_int, policy=policy,
-                        budget=budget, value=False, name="jg.grad")
+                        budget=budget, value=False, name="jg.grad", target=target)

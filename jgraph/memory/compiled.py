@@ -7,6 +7,13 @@ another. If the graph updates its params itself (it has `new_param` outputs) the
 otherwise the grads feed a plain SGD update `p - 0.001 * g` of the params, and the step returns the
 updated state with the graph's other outputs. Donation matters: without it XLA:CPU places
 activations in the not yet written gradient outputs, and `temp_size_in_bytes` misleads.
+
+`target=` (`jgraph.target`) names the chip it is compiled for: a local device, a topology's device
+for ahead-of-time work (a TPU's compiler runs on any host), a Sharding or a Mesh (per-device
+figures). Only avals are needed: the arguments may be `jax.ShapeDtypeStruct`s, or left out.
+`peak_bytes` is the figure a budget bounds there (`Target.figure`), made comparable across
+platforms: on TPU and GPU XLA's own peak, on CPU arguments + outputs - aliased + temp (XLA:CPU's
+peak counts its arguments alone).
 """
 
 from __future__ import annotations
@@ -19,12 +26,8 @@ from jgraph.check import validate
 from jgraph.interpreter import flatten_args
 from jgraph.ir import Graph
 from jgraph.lower import Lowering
-from jgraph.memory.step import sgd_plan
-
-# A measurement needs XLA's buffer assignment, not fast code: the backend's code generation at
-# its lowest optimization level compiles in about 0.6x the time, the HLO passes and buffers
-# unchanged (`tests/test_planner.py::test_the_measured_temp_is_the_default_compiles`).
-MEASURE_OPTIONS = {"xla_backend_optimization_level": 0}
+from jgraph.memory.step import STATE_ROLES, sgd_plan
+from jgraph.target import Target, resolve
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,22 @@ class CompiledMemory:
     output_bytes: int  # output_size_in_bytes
     alias_bytes: int  # alias_size_in_bytes: outputs written into donated arguments
     dots: int  # `dot(` instructions in the compiled HLO (recomputed matmuls show up here)
+    peak_bytes: int = 0  # the device memory the step holds at its peak, arguments included
+    platform: str = "cpu"  # where it was compiled for
+    figure: str = "temp_size_in_bytes"  # the figure a budget bounds there (`budget_bytes`)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The figure a budget bounds on this platform (`jgraph.target`): temp on CPU, the peak
+        elsewhere."""
+        return self.temp_bytes if self.figure == "temp_size_in_bytes" else self.peak_bytes
 
     def __str__(self):
         mib = 2**20
-        return (f"temp {self.temp_bytes / mib:.2f} MiB, arguments {self.argument_bytes / mib:.2f}"
-                f" MiB, outputs {self.output_bytes / mib:.2f} MiB, aliased "
-                f"{self.alias_bytes / mib:.2f} MiB, {self.dots} dots")
+        return (f"peak {self.peak_bytes / mib:.2f} MiB, temp {self.temp_bytes / mib:.2f} MiB, "
+                f"arguments {self.argument_bytes / mib:.2f} MiB, outputs "
+                f"{self.output_bytes / mib:.2f} MiB, aliased {self.alias_bytes / mib:.2f} MiB, "
+                f"{self.dots} dots ({self.platform})")
 
 
 def donated_step(graph: Graph, learning_rate: float = 1e-3):
@@ -69,16 +82,44 @@ def donated_step(graph: Graph, learning_rate: float = 1e-3):
     return jax.jit(step, donate_argnums=0), split
 
 
-def compiled_memory(graph: Graph, *args) -> CompiledMemory:
-    """XLA's memory figures for the compiled donated training step of `graph` on `args`."""
+def compiled_memory(graph: Graph, *args, target=None) -> CompiledMemory:
+    """XLA's memory figures for the compiled donated training step of `graph`, compiled for
+    `target` (module docstring) on the avals of `args` (arrays or `jax.ShapeDtypeStruct`s; none:
+    the graph's own input avals)."""
     validate(graph, "jg.compiled_memory")
-    step, split = donated_step(graph)
-    compiled = step.lower(*split(*args)).compile(compiler_options=MEASURE_OPTIONS)
+    if args:
+        flatten_args(graph, args)  # the arguments must match the traced signature
+    return read_figures(lowered_step(graph, resolve(target)))
+
+
+def lowered_step(graph: Graph, target: Target):
+    """The donated training step of `graph` lowered for `target` from its input avals."""
+    step, _ = donated_step(graph)
+    state = [r in STATE_ROLES for r in graph.input_roles]
+    structs = target.structs([v.aval for v in graph.inputs], state, _input_names(graph))
+    return target, step.lower([s for s, k in zip(structs, state, strict=True) if k],
+                              [s for s, k in zip(structs, state, strict=True) if not k])
+
+
+def read_figures(lowered) -> CompiledMemory:
+    """Compile a `lowered_step` and read its memory figures."""
+    target, lowered = lowered
+    compiled = lowered.compile(compiler_options=target.compile_options)
     stats = compiled.memory_analysis()
-    return CompiledMemory(
-        temp_bytes=int(stats.temp_size_in_bytes),
-        argument_bytes=int(stats.argument_size_in_bytes),
-        output_bytes=int(stats.output_size_in_bytes),
-        alias_bytes=int(stats.alias_size_in_bytes),
-        dots=compiled.as_text().count(" dot("),
-    )
+    temp, arguments = int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes)
+    outputs, aliased = int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes)
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if target.platform == "cpu" or peak == 0:  # XLA:CPU's peak counts the arguments alone
+        peak = arguments + outputs - aliased + temp
+    return CompiledMemory(temp_bytes=temp, argument_bytes=arguments, output_bytes=outputs,
+                          alias_bytes=aliased, dots=_dots(compiled.as_text(), target),
+                          peak_bytes=peak, platform=target.platform, figure=target.figure)
+
+
+def _dots(hlo: str, target: Target) -> int:
+    """Matrix products in compiled HLO: `dot(`, and on TPU the `convolution(` it makes of them."""
+    return hlo.count(" dot(") + (hlo.count(" convolution(") if target.platform == "tpu" else 0)
+
+
+def _input_names(graph: Graph) -> list[str]:
+    return [f"input {k} ({role})" for k, role in enumerate(graph.input_roles)]

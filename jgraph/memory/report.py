@@ -27,6 +27,7 @@ from jgraph.ir import Graph, Var, short_aval
 from jgraph.memory.estimate import estimate
 from jgraph.opkinds import nbytes
 from jgraph.plot import plot_memory
+from jgraph.target import TargetError, resolve
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,18 @@ def peak_bytes(graph: Graph) -> int:
     return estimate(graph).placement.peak
 
 
-def memory(graph: Graph) -> MemoryReport:
-    """The memory report of `graph`: XLA:CPU's temp bytes for its donated step, estimated."""
+def memory(graph: Graph, *, target=None) -> MemoryReport:
+    """The memory report of `graph`: XLA:CPU's temp bytes for its donated step, estimated.
+    `target=` (`jgraph.target`) names the compiler modelled; the model is XLA:CPU's, and for
+    another platform `jg.compiled_memory(graph, target=...)` gives its compiler's figures."""
     validate(graph, "jg.memory")
+    where = resolve(target)
+    if where.platform != "cpu":
+        raise TargetError(
+            f"jg.memory(target={where.describe()}): jgraph's memory model is XLA:CPU's; "
+            f"{where.platform.upper()}'s compiler is not modelled yet. Its own figures come "
+            "from jg.compiled_memory(graph, *args_or_avals, target=...) (ahead of time, no "
+            "device needed)")
     est = estimate(graph)
     order, place, origin = est.order, est.placement, est.program.origin
     index = {e: i for i, e in enumerate(graph.eqns)}

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, Var
 from jgraph.memory.program import Kernel, Ops, Value, connect, flatten, kernels
-
-STATE_ROLES = ("param", "accumulator", "opt_state", "counter")
+from jgraph.target import STATE_ROLES
 
 
 @dataclass

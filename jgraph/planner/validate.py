@@ -1,11 +1,13 @@
 """Budgets, and what XLA allocates for a plan.
 
-A budget is a number of bytes, or a string "NN%" (a fraction of the temp XLA allocates for the
-graph's donated training step without remat). `xla_temp(graph)` compiles that donated step
-(`jgraph.memory.donated_step`) from the graph's input avals, as `jax.ShapeDtypeStruct`s, so no
-example arguments are needed, and reads `temp_size_in_bytes`; a step whose HLO was compiled
-before in this process is not compiled again (the search, and a period's two orders, meet the
-same program under different graphs).
+A budget is a number of bytes of the figure that bounds the step on the target it is planned for
+(`jgraph.target`: `temp_size_in_bytes` on CPU, `peak_memory_in_bytes` on TPU and GPU), or a
+string "NN%" (a fraction of that figure for the graph's donated training step without remat).
+`xla_temp(graph)` compiles that donated step (`jgraph.memory.donated_step`) for the target in
+force (`jgraph.target.measuring_on`) from the graph's input avals, as `jax.ShapeDtypeStruct`s
+placed on it, so no example arguments and no device are needed, and reads the budget's figure; a
+step whose HLO was compiled before in this process for the same kind of target is not compiled
+again (the search, and a period's two orders, meet the same program under different graphs).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import numpy as np
 
 from jgraph.errors import TransformError
 from jgraph.ir import Graph
-from jgraph.memory import STATE_ROLES, donated_step
-from jgraph.memory.compiled import MEASURE_OPTIONS
+from jgraph.memory import STATE_ROLES
+from jgraph.memory.compiled import CompiledMemory, lowered_step, read_figures
+from jgraph.target import current
 
 seconds = 0.0  # compile seconds of the current planning (`jgraph.planner.search` resets it)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
@@ -76,17 +79,22 @@ def abstract_step_args(graph: Graph):
     return state, rest
 
 
-_TEMPS: dict[tuple, int] = {}  # (platform, HLO text's digest) -> temp bytes
+_MEASURED: dict[tuple, CompiledMemory] = {}  # (target's key, HLO text's digest) -> figures
 
 
 def xla_temp(graph: Graph) -> int:
-    """`temp_size_in_bytes` of the compiled donated training step of `graph`."""
-    step, _ = donated_step(graph)
+    """The budget's figure (`jgraph.target`) of the compiled donated training step of `graph` on
+    the target in force: its temp on CPU, its peak on TPU and GPU."""
+    return xla_figures(graph).budget_bytes
+
+
+def xla_figures(graph: Graph) -> CompiledMemory:
+    """XLA's figures for the compiled donated step of `graph` on the target in force, compiled
+    once per program and kind of target."""
     with warnings.catch_warnings():  # a measurement: which donations XLA uses is not news here
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        lowered = step.lower(*abstract_step_args(graph))
-        key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).digest())
-        if key not in _TEMPS:
-            compiled = lowered.compile(compiler_options=MEASURE_OPTIONS)
-            _TEMPS[key] = int(compiled.memory_analysis().temp_size_in_bytes)
-    return _TEMPS[key]
+        target, lowered = lowered_step(graph, current())
+        key = (target.key, hashlib.sha256(lowered.as_text().encode()).digest())
+        if key not in _MEASURED:
+            _MEASURED[key] = read_figures((target, lowered))
+    return _MEASURED[key]

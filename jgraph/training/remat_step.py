@@ -24,6 +24,7 @@ from jgraph.ir import Graph
 from jgraph.planner.search import xla_temp
 from jgraph.remat import planned_then
 from jgraph.remat import remat as remat_transform
+from jgraph.target import measuring_on
 from jgraph.training.guard import unguarded
 from jgraph.training.optimizer_step import optimizer_step
 
@@ -64,8 +65,10 @@ def grad_step(bwd: Graph, remat, accumulate, whole: bool = False, guard=None) ->
         except TransformError:
             return _warned(on_step, caught)
     budget, planned = report["budget"], before.info.get("remat") or {}
+    with measuring_on(remat.get("target")):
+        figure = xla_temp(runs(before))
     other = before.replace(info={**before.info, "remat": {
-        **planned, "budget": budget, "xla_temp": xla_temp(runs(before)),
+        **planned, "budget": budget, "xla_temp": figure,
         "planned_on": "the backward step, before accumulation"}})
     steps = [on_step, other]
     fitting = [g for g in steps if g.info["remat"]["xla_temp"] <= budget]
