@@ -74,6 +74,11 @@ class Target:
         return FIGURES.get(self.platform, "peak_memory_in_bytes")
 
     @property
+    def word(self) -> str:
+        """The figure in a message: "temp" or "peak"."""
+        return "temp" if self.figure == "temp_size_in_bytes" else "peak"
+
+    @property
     def compile_options(self) -> dict:
         return MEASURE_OPTIONS.get(self.platform, {})
 

@@ -48,6 +48,7 @@ from jgraph.planner.plan import HAND, ON_GRAPH, Plan, Segment
 from jgraph.planner.problem import Problem
 from jgraph.planner.validate import parse_budget
 from jgraph.regions import without_regions
+from jgraph.target import current
 
 PLANNERS = ("auto", "exact", "fast")
 ESTIMATE_ROUNDS = 6
@@ -396,8 +397,8 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
     how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
     warnings.warn(
         f"remat(budget={budget!r}): no plan reaches {report['budget']} bytes; returning the "
-        f"smallest compiled temp a plan reaches, {temp} bytes, {how} (no remat: {no_remat} "
-        "bytes)", BudgetWarning, stacklevel=4)
+        f"smallest compiled {current().word} a plan reaches, {temp} bytes, {how} (no remat: "
+        f"{no_remat} bytes)", BudgetWarning, stacklevel=4)
     return _reported(candidate, report | {"unmet": True}, "no remat" if plan is None else
                      plan.describe(), _peak(candidate), temp, len(tried) - 1,
                      0.0 if plan is None else recompute_flops(candidate), started)
@@ -414,8 +415,8 @@ def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None 
         key = min(tried, key=tried.get)
         least, how = tried[key], f"{tried[key]} bytes, with the plan: {key}"
     error = TransformError(
-        f"remat(budget={target} bytes): no plan fits; the smallest compiled temp a plan reaches "
-        f"is {how} (no remat: {no_remat} bytes)")
+        f"remat(budget={target} bytes): no plan fits; the smallest compiled {current().word} a "
+        f"plan reaches is {how} (no remat: {no_remat} bytes)")
     error.least_temp = least  # for a caller weighing several attempts (`jgraph.remat`)
     return error
 
