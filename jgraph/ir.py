@@ -106,6 +106,7 @@ class Region:
     prevent_cse: bool = True  # as `jax.checkpoint(prevent_cse=...)`
     name: str = ""  # the checkpointed function's name, for printing and reports
     source: str = ""  # where the region was entered
+    outputs_recomputed: bool = False  # the backward reads recomputed outputs, as JAX's does
 
 
 @dataclass(frozen=True, eq=False)

@@ -372,7 +372,15 @@ class Lowering(Interpreter):
 
 
 def _taint_by_select(x, pred):
+    return lax.platform_dependent(x, pred, tpu=_tied_by_barrier, default=_select)
+
+
+def _select(x, pred):
     return jnp.where(pred, jnp.zeros_like(x), x)
+
+
+def _tied_by_barrier(x, pred):
+    return lax.optimization_barrier((pred, x))[1]
 
 
 def _taint_through_cond(x, pred):

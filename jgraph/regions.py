@@ -73,7 +73,7 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     eqns = []
     for eqn in graph.eqns:
         if not is_forward(eqn):
-            inputs = tuple(planner.read(a, planner.home(a), eqns) for a in eqn.inputs)
+            inputs = tuple(planner.read_back(a, eqns) for a in eqn.inputs)
             if any(x is not a for x, a in zip(inputs, eqn.inputs, strict=True)):
                 eqn = dataclasses.replace(eqn, inputs=inputs)
         eqns.append(eqn)
@@ -198,26 +198,29 @@ class _Planner:
                     raise TransformError(f"eqn {eqn.op} at {eqn.source or '?'} names checkpoint "
                                          f"region {r}, which the graph does not have")
             self.producer.update((v, eqn) for v in eqn.outputs)
-        self.crosses: set[tuple[Var, int]] = set()
-        for eqn in forward:  # read outside: a region output
+        read_outside: set[tuple[Var, int]] = set()  # a region output, read by the forward
+        for eqn in forward:
             for a in eqn.inputs:
                 if isinstance(a, Var) and a in self.producer:
                     inside = set(eqn.regions)
-                    self.crosses.update((a, r) for r in self.producer[a].regions if r not in inside)
+                    read_outside.update((a, r) for r in self.producer[a].regions
+                                        if r not in inside)
+        self.kept: set[tuple[Var, int]] = set()  # kept for the backward in any case
         for a in graph.outputs[body_outputs:]:
             if isinstance(a, Var) and a in self.producer:
-                self.crosses.update((a, r) for r in self.producer[a].regions)
+                self.kept.update((a, r) for r in self.producer[a].regions)
         refused = self._refused_by_name(forward)
         constants = small_constants(forward)
         for eqn in forward:  # saved by the region's policy
             if eqn in constants:  # a constant of the step: computed once
-                self.crosses.update((v, r) for v in eqn.outputs for r in eqn.regions)
+                self.kept.update((v, r) for v in eqn.outputs for r in eqn.regions)
                 continue
             for r in eqn.regions:
                 policy = self.regions[r].policy
                 if eqn.op in NEVER_RECOMPUTED or ops.has_effects(eqn) or (
                         (eqn, r) not in refused and policies.saves(policy, eqn)):
-                    self.crosses.update((v, r) for v in eqn.outputs)
+                    self.kept.update((v, r) for v in eqn.outputs)
+        self.crosses = read_outside | self.kept  # what survives the region's end
         self.paths = {r: self._path(r) for r in self.regions}
         self.copies: dict[tuple[Var, int], Var] = {}
         self.emitted: dict[Eqn, int] = {}  # recompute eqn -> the region it recomputes
@@ -260,11 +263,25 @@ class _Planner:
             return None
         return home if home in self.paths[region_id][:-1] else region_id
 
-    def read(self, atom, region_id, out: list) -> object:
-        """`atom` as seen in `region_id`'s recompute, emitting into `out` the copies it needs."""
+    def read_back(self, atom, out: list) -> object:
+        """`atom` as a backward eqn reads it: a recomputed copy where its home region recomputes
+        it; where a region with `outputs_recomputed` produced it, a copy of that region's
+        recompute, though the forward keeps it (JAX's remat: a region's backward reads only
+        what it recomputes, and the kept output is read by the forward alone)."""
+        if isinstance(atom, Var) and atom in self.producer:
+            for r in reversed(self.producer[atom].regions):
+                if (atom, r) not in self.crosses:
+                    break
+                if self.regions[r].outputs_recomputed and (atom, r) not in self.kept:
+                    return self.read(atom, r, out, phase=r)
+        return self.read(atom, self.home(atom), out)
+
+    def read(self, atom, region_id, out: list, phase=None) -> object:
+        """`atom` as seen in `region_id`'s recompute, emitting into `out` the copies it needs
+        (`phase`: the recompute it comes from, if not its own home's)."""
         if region_id is None:
             return atom
-        phase = self.phase(atom, region_id)
+        phase = self.phase(atom, region_id) if phase is None else phase
         if phase is None:
             return atom
         todo = [(self.producer[atom], phase)]
@@ -280,7 +297,7 @@ class _Planner:
                 continue
             todo.pop()
             out.append(self._copy(eqn, phase))
-        return self.copies[(atom, self.phase(atom, region_id))]
+        return self.copies[(atom, phase)]
 
     def _copy(self, eqn: Eqn, phase: int) -> Eqn:
         inputs = tuple(a if (p := self.phase(a, phase)) is None else self.copies[(a, p)]

@@ -332,8 +332,9 @@ def test_policy_and_budget_apply_remat():
 
 def test_budget_is_passed_to_remat_unchanged(monkeypatch):
     seen = []
-    monkeypatch.setattr(dropin_vg, "remat", lambda g, policy, budget: seen.append(budget) or g)
+    monkeypatch.setattr(dropin_vg, "remat", lambda g, policy, budget, target: seen.append(
+        (budget, target)) or g)
     args = chain_args()
     jg.grad(chain, budget="50%").graph(*args)
-    jg.grad(chain, budget=1 << 20).graph(*args)
-    assert seen == ["50%", 1 << 20]
+    jg.grad(chain, budget=1 << 20, target="cpu").graph(*args)
+    assert seen == [("50%", None), (1 << 20, "cpu")]

@@ -375,6 +375,8 @@ def test_the_measured_temp_is_the_default_compiles():
         want = CompiledMemory(
             int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes),
             int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
-            default.as_text().count(" dot("))
+            default.as_text().count(" dot("),
+            int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                - stats.alias_size_in_bytes + stats.temp_size_in_bytes))
         assert jg.compiled_memory(graph, *call_args) == want
         assert xla_temp(graph) == want.temp_bytes

@@ -20,6 +20,7 @@ import dataclasses
 
 from jgraph.ir import Graph, Region
 from jgraph.policies import SaveValues
+from jgraph.target import current
 
 HAND = "hand: "  # the label of the plans that are hand arrangements
 ON_GRAPH = "Checkmate on the graph: "  # ... and of schedules of the graph (`on_graph`)
@@ -69,13 +70,19 @@ def depth(segment: Segment) -> int:
 def with_regions(graph: Graph, stage_eqns, plan: Plan) -> Graph:
     """`graph` (regions stripped) with one checkpoint region per segment of `plan`.
 
-    `stage_eqns[k]` lists the forward eqns of stage k."""
+    `stage_eqns[k]` lists the forward eqns of stage k. Planned for a TPU or a GPU
+    (`jgraph.target.current`), a segment's backward reads recomputed copies of its outputs, as
+    JAX's remat does, not the copies the forward keeps: there the kept ones are read by
+    matrix products alone, which those compilers store in the products' input precision
+    (bfloat16 at default precision), where a backward elementwise read would keep them in f32."""
     policy = SaveValues(frozenset(plan.keep))
     regions, path_of = [], {}
+    recomputed = current().platform != "cpu"
 
     def visit(segment: Segment, parent, path):
         region = Region(len(regions), parent, policy, True,
-                        f"planned stages {segment.start}-{segment.stop - 1}")
+                        f"planned stages {segment.start}-{segment.stop - 1}",
+                        outputs_recomputed=recomputed)
         regions.append(region)
         path = path + (region.id,)
         for k in range(segment.start, segment.stop):

@@ -218,7 +218,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     if fits:
         _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
     else:  # the plans needing the least memory of each mode and the hand arrangements
-        smallest = _smallest_plans(by_mode, tried) + [
+        smallest = _smallest_plans(by_mode, tried) + _swept_plans(by_mode, tried) + [
             (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
         if planner == "exact":  # tried here once: its schedule is one more candidate
             on = _on_graph(by_mode["loops as traced"], float("inf"), target, tried, started)
@@ -360,6 +360,30 @@ def cheapest(by_mode: dict, budgets: dict, planner: str) -> Plan | None:
                       for p in problem.planner.plans(budgets[mode])]
     order = list(by_mode)  # equal cost: the simpler loop mode (modes come simplest first)
     return min(found, key=lambda p: (p.cost, order.index(p.base), -len(p.keep)), default=None)
+
+
+# Model budgets, as shares of a mode's estimate without remat, whose plans are measured when no
+# plan fits on a target whose compiler the memory model is not (TPU, GPU): there the plan the
+# model finds least is not the least XLA places (it stores values only products read in
+# bfloat16, and schedules by its own rules).
+SWEPT_SHARES = (0.2, 0.35, 0.5, 0.65, 0.8)
+
+
+def _swept_plans(by_mode: dict, tried: dict):
+    """(plan, graph, XLA's figure) of the cheapest plan of each mode at each of `SWEPT_SHARES`,
+    on a target other than a CPU ([] on a CPU, whose compiler the model follows)."""
+    if current().platform == "cpu":
+        return []
+    found = []
+    for mode, problem in by_mode.items():
+        top = _peak(problem.finished())
+        for share in SWEPT_SHARES:
+            plan = cheapest({mode: problem}, {mode: share * top}, "fast")
+            if plan is None:
+                continue
+            candidate = problem.build(plan)
+            found.append((plan, candidate, _temp(plan, candidate, tried)))
+    return found
 
 
 def _smallest_plans(by_mode: dict, tried: dict):
