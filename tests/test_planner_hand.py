@@ -147,3 +147,19 @@ def test_scan_modes_take_no_more_than_jaxs_scan_arrangements():
                  split=(4, 2), inner=jax.checkpoint)}
     for mode, fn in pairs.items():
         assert xla_temp(by_mode[mode].finished()) <= jax_temp(fn), mode
+
+
+def test_concatenated_skips_least_plan_holds_per_layer_checkpoint():
+    """Issue 42: a decoder reading its skip through `jnp.concatenate` keeps no narrowing
+    boundary; the layers are found from the user's function calls (`chain.call_starts`), so
+    the least plan is not above `jax.checkpoint` per layer, and at its temp a plan fits."""
+    from benchmarks.unet_concat import unet as unet_concat
+
+    fn, params, x = unet_concat(8, 64, 32)
+    gb = jg.backward(jg.trace(fn, params, x, param_argnums=0))
+    fh, _, _ = unet_concat(8, 64, 32, jax.checkpoint_policies.nothing_saveable)
+    per_layer = xla_temp(jg.remat(jg.backward(jg.trace(fh, params, x, param_argnums=0))))
+    with pytest.warns(jg.BudgetWarning):
+        least = jg.remat(gb, budget="1%").info["remat"]["xla_temp"]
+    assert least <= 1.02 * per_layer
+    assert xla_temp(jg.remat(gb, budget=per_layer)) <= per_layer

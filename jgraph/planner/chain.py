@@ -252,6 +252,9 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
         totals = sorted(fronts[k][0] for k in best)
         threshold = CUT_SLACK * totals[(len(totals) - 1) // 2]  # the lower median
         cuts = [k + 1 for k in best if fronts[k][0] <= threshold]
+        # and between two calls of the user's functions (one layer each, whatever crosses)
+        calls = call_starts(forward.eqns)[1:]
+        cuts = sorted(set(cuts) | {min(best, key=lambda k: abs(k + 1 - i)) + 1 for i in calls})
     if len(cuts) + 1 > max_stages:
         cuts = thinned(forward, cuts, max_stages - 1)
     bounds = [0] + cuts + [n]
@@ -262,6 +265,27 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
             v for v in forward.outputs if v in forward.producer)
         result.append(Stage(forward, a, b, before, after))
     return result
+
+
+def call_starts(eqns) -> list[int]:
+    """Indices of the eqns where a call of a user's function begins: an eqn's `source` names the
+    function whose line made it; a call begins where that function changes, or where its first
+    eqn of all (op and line) comes again (the next call of a layer function)."""
+    starts, first, before = [], {}, None
+    for i, e in enumerate(eqns):
+        fn = _function(e.source)
+        if fn != before:
+            first.setdefault(fn, (e.op, e.source))
+            starts.append(i)
+        elif first.get(fn) == (e.op, e.source):
+            starts.append(i)
+        before = fn
+    return starts
+
+
+def _function(source: str) -> str:
+    """The function named in an eqn's `source` ("file:line:col (function)"); "" if none."""
+    return source[source.rfind("(") + 1:-1] if source.endswith(")") else ""
 
 
 def valley_cuts(forward: Forward, fronts=None) -> list[int]:
