@@ -12,7 +12,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,9 +78,6 @@ def per_layer(widths, entries, acts, policy) -> int:
     return xla_temp(jg.remat(jg.backward(jg.trace(fn, *args, param_argnums=0))))
 
 
-@pytest.mark.xfail(reason="issue 42, open: on tiny drawn chains the least plan can sit above the "
-                   "per-layer checkpoint (([8, 8, 8], ['add', 'gate'], gelu x3): 2560 vs 2304 B)",
-                   run=False)
 @EXAMPLES
 @given(skip_chains())
 def test_least_plan_holds_per_layer_checkpoint(drawn):

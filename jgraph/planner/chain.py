@@ -9,8 +9,9 @@ plan changes (`base`).
 values defined before the cut and read after it by forward eqns): between the layers of a
 layered model, where only the hidden state crosses. Cuts whose boundary holds values the
 backward does not read are avoided (holding them would be pure overhead). A loop is one eqn,
-so a scan lies inside one stage. At most `max_stages` stages: more cuts are thinned out evenly
-by forward cost.
+so a scan lies inside one stage. The forward is also cut exactly where a call of the user's
+function begins (`call_starts`): a checkpoint around each call is what a user writes. At most
+`max_stages` stages: more cuts are thinned out evenly by forward cost.
 
 Per stage and keep set K (values kept from the forward), `Stage.measure(K)` gives what the
 planner needs: the cost of *advancing* through the stage (computing its output boundary from its
@@ -252,9 +253,8 @@ def stages(forward: Forward, max_stages: int = MAX_STAGES) -> list[Stage]:
         totals = sorted(fronts[k][0] for k in best)
         threshold = CUT_SLACK * totals[(len(totals) - 1) // 2]  # the lower median
         cuts = [k + 1 for k in best if fronts[k][0] <= threshold]
-        # and between two calls of the user's functions (one layer each, whatever crosses)
-        calls = call_starts(forward.eqns)[1:]
-        cuts = sorted(set(cuts) | {min(best, key=lambda k: abs(k + 1 - i)) + 1 for i in calls})
+        # and where a call of the user's functions begins (one layer each, whatever crosses)
+        cuts = sorted(set(cuts) | set(call_starts(forward.eqns)[1:]))
     if len(cuts) + 1 > max_stages:
         cuts = thinned(forward, cuts, max_stages - 1)
     bounds = [0] + cuts + [n]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from jgraph import policies
 from jgraph.opkinds import nbytes
-from jgraph.planner.chain import call_starts
+from jgraph.planner.chain import call_starts, expensive
 from jgraph.planner.plan import HAND, Plan, Segment
 from jgraph.planner.problem import Problem
 
@@ -53,20 +53,26 @@ def layer_segments(problem: Problem) -> list[tuple[Segment, ...]]:
         periodic = list(range(minima[0] % period or period, n, period))
         if periodic != minima:
             found.append(periodic)
-    calls = call_cuts(problem)
-    if calls and calls not in found:
-        found.append(calls)
+    for calls in (call_cuts(problem), call_cuts(problem, first_in_valley=True)):
+        if calls and calls not in found:
+            found.append(calls)
     return [tuple(Segment(a, b) for a, b in zip([0, *cuts], [*cuts, n], strict=False))
             for cuts in found]
 
 
-def call_cuts(problem: Problem) -> list[int]:
+def call_cuts(problem: Problem, first_in_valley: bool = False) -> list[int]:
     """Stage boundaries where one call of a user's function ends and the next begins
     (`chain.call_starts`): what "one layer" means in the user's code, whatever the skip's form
     (a decoder reading its skip through a concatenation keeps no narrowing boundary). Each is
-    snapped to the nearest stage boundary (a stage cut lies in the cheap eqns around it)."""
+    snapped to the nearest stage boundary (a stage cut lies in the cheap eqns around it).
+    `first_in_valley`: of the calls beginning between two contractions, only the first (a
+    layer's own helper, such as the lambda adding its skip, is part of that layer)."""
     bounds = [s.start for s in problem.stages[1:]]
-    starts = call_starts(problem.forward.eqns)[1:]
+    eqns = problem.forward.eqns
+    starts = call_starts(eqns)[1:]
+    if first_in_valley:
+        starts = [i for j, i in zip([0, *starts], starts, strict=False)
+                  if any(expensive(e) for e in eqns[j:i])]
     if not bounds or not starts:
         return []
     return sorted({min(range(len(bounds)), key=lambda k: abs(bounds[k] - i)) + 1
