@@ -34,6 +34,7 @@ from benchmarks.bench_max_batch import model as max_batch_model
 from benchmarks.bench_planner import models as planner_models
 from benchmarks.bench_planner import traced_recompute
 from jgraph.fuse import without_grads
+from jgraph.memory.compiled import read_figures
 from jgraph.planner.cost import recompute_flops
 from jgraph.target import resolve
 
@@ -101,11 +102,8 @@ def jax_figure(fn, args, kind: str, target) -> int:
     donate = tuple(range(len(state_args)))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        compiled = jax.jit(step, donate_argnums=donate).lower(*placed, rest).compile()
-    stats = compiled.memory_analysis()
-    if target.figure == "temp_size_in_bytes":
-        return int(stats.temp_size_in_bytes)
-    return int(stats.peak_memory_in_bytes)
+        lowered = jax.jit(step, donate_argnums=donate).lower(*placed, rest)
+        return read_figures((target, lowered)).budget_bytes
 
 
 def jgraph_graph(fn, args, kind: str):

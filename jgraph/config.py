@@ -4,6 +4,10 @@ it).
 `check_graphs`: every public transform runs the full `jg.check` (shape rules included) on the graph
 it is given, not only the cheap structural validation. Off by default (the full check costs a
 shape-rule evaluation per eqn); on with `JGRAPH_CHECK_GRAPHS=1`, and in jgraph's own test suite.
+
+`figure_cache_dir`: a directory where XLA's memory figures of compiled steps are kept across
+processes (`jgraph.memory.compiled`); None (the default) keeps them in the process only. Set it,
+or `JGRAPH_FIGURE_CACHE`, so a restarted job plans without compiling again.
 """
 
 import os
@@ -11,3 +15,4 @@ import os
 __version__ = "0.1.0"  # as pyproject.toml says
 
 check_graphs: bool = os.environ.get("JGRAPH_CHECK_GRAPHS", "") not in ("", "0", "false")
+figure_cache_dir: str | None = os.environ.get("JGRAPH_FIGURE_CACHE") or None

@@ -363,33 +363,37 @@ class Lowering(Interpreter):
 
     def _taint(self, group, var, x):
         if (group, var) not in self.tainted:
+            anchor = self.anchor_values[self.anchors[group]]
             if group not in self.preds:
-                anchor = jnp.reshape(self.anchor_values[self.anchors[group]], (-1,))[0]
-                self.preds[group] = lax.lt(anchor, lax.neg(lax.abs(anchor)))
+                first = jnp.reshape(anchor, (-1,))[0]
+                self.preds[group] = lax.lt(first, lax.neg(lax.abs(first)))
             taint = _taint_through_cond if var in self.through_cond else _taint_by_select
-            self.tainted[(group, var)] = taint(x, self.preds[group])
+            self.tainted[(group, var)] = taint(x, self.preds[group], anchor)
         return self.tainted[(group, var)]
 
 
-def _taint_by_select(x, pred):
-    return lax.platform_dependent(x, pred, tpu=_tied_by_barrier, default=_select)
+def _taint_by_select(x, pred, anchor):
+    return lax.platform_dependent(x, pred, anchor, tpu=_tied_by_barrier, default=_select)
 
 
-def _select(x, pred):
+def _select(x, pred, anchor):
     return jnp.where(pred, jnp.zeros_like(x), x)
 
 
-def _tied_by_barrier(x, pred):
-    return lax.optimization_barrier((pred, x))[1]
+def _tied_by_barrier(x, pred, anchor):
+    """`x` tied to the whole anchor, as JAX's remat ties its recompute to the cotangent: TPU's
+    simplifier computes one element of a product alone (`slice(dot)` becomes a product of the
+    slice), so a tie to the anchor's first element lets the recompute start in the forward."""
+    return lax.optimization_barrier((anchor, x))[1]
 
 
-def _taint_through_cond(x, pred):
+def _taint_through_cond(x, pred, anchor):
     """`x`, tainted by `pred`, as a buffer XLA:CPU cannot fuse `x`'s producer into (module
     docstring); a select elsewhere."""
-    def on_cpu(y, pred):
+    def on_cpu(y, pred, anchor):
         return lax.cond(pred, jnp.zeros_like, lambda z: z, y)
 
-    return lax.platform_dependent(x, pred, cpu=on_cpu, default=_taint_by_select)
+    return lax.platform_dependent(x, pred, anchor, cpu=on_cpu, default=_taint_by_select)
 
 
 def as_function(graph: Graph):

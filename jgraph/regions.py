@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jgraph import ops, policies
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Literal, Region, Var
-from jgraph.opkinds import nbytes
+from jgraph.opkinds import kind, nbytes
 from jgraph.passes import dce
 
 # Ops with bodies: a policy over the whole forward applies inside them, not to them.
@@ -73,7 +73,7 @@ def apply_regions(graph: Graph, policy=None, body_outputs: int = 0) -> Graph:
     eqns = []
     for eqn in graph.eqns:
         if not is_forward(eqn):
-            inputs = tuple(planner.read_back(a, eqns) for a in eqn.inputs)
+            inputs = tuple(planner.read_back(a, eqns, eqn) for a in eqn.inputs)
             if any(x is not a for x, a in zip(inputs, eqn.inputs, strict=True)):
                 eqn = dataclasses.replace(eqn, inputs=inputs)
         eqns.append(eqn)
@@ -263,12 +263,15 @@ class _Planner:
             return None
         return home if home in self.paths[region_id][:-1] else region_id
 
-    def read_back(self, atom, out: list) -> object:
-        """`atom` as a backward eqn reads it: a recomputed copy where its home region recomputes
-        it; where a region with `outputs_recomputed` produced it, a copy of that region's
-        recompute, though the forward keeps it (JAX's remat: a region's backward reads only
-        what it recomputes, and the kept output is read by the forward alone)."""
-        if isinstance(atom, Var) and atom in self.producer:
+    def read_back(self, atom, out: list, reader: Eqn | None = None) -> object:
+        """`atom` as the backward eqn `reader` reads it: a recomputed copy where its home region
+        recomputes it; where a region with `outputs_recomputed` produced it, a copy of that
+        region's recompute, though the forward keeps it, unless the reader is a matrix product
+        (JAX's remat: a region's own backward reads what it recomputes, fused into its
+        elementwise VJPs; the next region's weight gradient reads its input, kept for its
+        recompute anyway, which a TPU stores in the products' bfloat16)."""
+        product = reader is not None and kind(reader) == "dot"
+        if isinstance(atom, Var) and atom in self.producer and not product:
             for r in reversed(self.producer[atom].regions):
                 if (atom, r) not in self.crosses:
                     break

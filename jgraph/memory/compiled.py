@@ -11,21 +11,38 @@ activations in the not yet written gradient outputs, and `temp_size_in_bytes` mi
 `target=` (`jgraph.target`) names the chip it is compiled for: a local device, a topology's device
 for ahead-of-time work (a TPU's compiler runs on any host), a Sharding or a Mesh (per-device
 figures). Only avals are needed: the arguments may be `jax.ShapeDtypeStruct`s, or left out.
-`peak_bytes` is the figure a budget bounds there (`Target.figure`), made comparable across
-platforms: on TPU and GPU XLA's own peak, on CPU arguments + outputs - aliased + temp (XLA:CPU's
-peak counts its arguments alone).
+`budget_bytes` is the figure a budget bounds there (`Target.figure`): temp on CPU, the peak on
+GPU, and on TPU the HBM the step needs (`hbm_bytes`, `jgraph.memory.hbm`): exact by default (the
+smallest HBM size at which it compiles, 2-4 compiles), a safe estimate with `exact=False` (what
+one compile at the chip's size uses), or, inside a planner, what a compile at the budget's size
+used or needed (`hbm_mode` says which). `peak_bytes` is comparable across platforms: XLA's own
+peak on TPU and GPU, arguments + outputs - aliased + temp on CPU (XLA:CPU's peak counts its
+arguments alone).
+
+Figures are cached by what they depend on: the lowered program's text, the compile options, the
+target's kind, how the figure was found, and the versions of jax, jaxlib and libtpu; in the
+process always, and on disk in `jgraph.config.figure_cache_dir` when it is set
+(`JGRAPH_FIGURE_CACHE`), so a restarted job measures nothing twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
 from dataclasses import dataclass
 
 import jax
 
+from jgraph import config
 from jgraph.check import validate
 from jgraph.interpreter import flatten_args
 from jgraph.ir import Graph
 from jgraph.lower import Lowering
+from jgraph.memory.hbm import MIB, at_size, smallest_size
 from jgraph.memory.step import STATE_ROLES, sgd_plan
 from jgraph.target import Target, resolve
 
@@ -40,16 +57,26 @@ class CompiledMemory:
     peak_bytes: int = 0  # the device memory the step holds at its peak, arguments included
     platform: str = "cpu"  # where it was compiled for
     figure: str = "temp_size_in_bytes"  # the figure a budget bounds there (`budget_bytes`)
+    hbm_bytes: int = 0  # TPU: the HBM the step needs, found as `hbm_mode` says (0: elsewhere)
+    hbm_mode: str = ""  # "exact", "estimate" or "at N MiB" (module docstring; "": not TPU)
+    fits: bool = True  # compiled at "N MiB": whether it fit (else only `hbm_bytes` is known)
 
     @property
     def budget_bytes(self) -> int:
-        """The figure a budget bounds on this platform (`jgraph.target`): temp on CPU, the peak
-        elsewhere."""
-        return self.temp_bytes if self.figure == "temp_size_in_bytes" else self.peak_bytes
+        """The figure a budget bounds on this platform (`jgraph.target`): temp on CPU, HBM on
+        TPU, the peak on GPU."""
+        return {"temp_size_in_bytes": self.temp_bytes,
+                "hbm_bytes": self.hbm_bytes}.get(self.figure, self.peak_bytes)
+
+    @property
+    def exact(self) -> bool:
+        """The budget's figure is the target's own: not an estimate from above."""
+        return self.hbm_mode != "estimate"
 
     def __str__(self):
         mib = 2**20
-        return (f"peak {self.peak_bytes / mib:.2f} MiB, temp {self.temp_bytes / mib:.2f} MiB, "
+        hbm = f"HBM {self.hbm_bytes / mib:.2f} MiB ({self.hbm_mode}), " if self.hbm_mode else ""
+        return (f"{hbm}peak {self.peak_bytes / mib:.2f} MiB, temp {self.temp_bytes / mib:.2f} MiB, "
                 f"arguments {self.argument_bytes / mib:.2f} MiB, outputs "
                 f"{self.output_bytes / mib:.2f} MiB, aliased {self.alias_bytes / mib:.2f} MiB, "
                 f"{self.dots} dots ({self.platform})")
@@ -82,14 +109,15 @@ def donated_step(graph: Graph, learning_rate: float = 1e-3):
     return jax.jit(step, donate_argnums=0), split
 
 
-def compiled_memory(graph: Graph, *args, target=None) -> CompiledMemory:
+def compiled_memory(graph: Graph, *args, target=None, exact: bool = True) -> CompiledMemory:
     """XLA's memory figures for the compiled donated training step of `graph`, compiled for
     `target` (module docstring) on the avals of `args` (arrays or `jax.ShapeDtypeStruct`s; none:
-    the graph's own input avals)."""
+    the graph's own input avals). On TPU `exact=False` estimates the HBM need from one compile
+    (never under it) instead of finding it exactly."""
     validate(graph, "jg.compiled_memory")
     if args:
         flatten_args(graph, args)  # the arguments must match the traced signature
-    return read_figures(lowered_step(graph, resolve(target)))
+    return read_figures(lowered_step(graph, resolve(target)), exact=exact)
 
 
 def lowered_step(graph: Graph, target: Target):
@@ -101,10 +129,44 @@ def lowered_step(graph: Graph, target: Target):
                               [s for s, k in zip(structs, state, strict=True) if not k])
 
 
-def read_figures(lowered) -> CompiledMemory:
-    """Compile a `lowered_step` and read its memory figures."""
+def read_figures(lowered, exact: bool = True, hbm_limit: int | None = None) -> CompiledMemory:
+    """Compile a `lowered_step` and read its memory figures (cached: module docstring). On TPU:
+    the HBM need exactly, or estimated (`exact=False`), or, with `hbm_limit` (bytes), what a
+    compile at that size (rounded down to MiB) used or needed."""
     target, lowered = lowered
-    compiled = lowered.compile(compiler_options=target.compile_options)
+    options = target.compile_options
+    mode = ""
+    if target.figure == "hbm_bytes":
+        mode = (f"at {max(1, int(hbm_limit // MIB))} MiB" if hbm_limit is not None
+                else "exact" if exact else "estimate")
+    key = _cache_key(target, options, lowered, mode)
+    found = _CACHE.get(key) or _from_disk(key)
+    if found is None:
+        found = _measured(target, lowered, options, mode)
+        _to_disk(key, found)
+    _CACHE[key] = found
+    return found
+
+
+def _measured(target: Target, lowered, options: dict, mode: str) -> CompiledMemory:
+    hbm = 0
+    if mode.startswith("at "):
+        size = int(mode.split()[1])
+        got = at_size(lowered, options, size)
+        if not got.fits:  # what it needed is all the failure says
+            return CompiledMemory(temp_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0,
+                                  dots=0, peak_bytes=got.hbm_used, platform=target.platform,
+                                  figure=target.figure, hbm_bytes=got.hbm_used, hbm_mode=mode,
+                                  fits=False)
+        compiled, hbm = got.compiled, min(got.hbm_used, size * MIB)  # it fit in `size`
+    elif mode == "exact":
+        size, first = smallest_size(lowered, options)
+        compiled, hbm = first.compiled, size * MIB
+    elif mode == "estimate":
+        first = at_size(lowered, options)  # the size is set in whole MiB: rounded up
+        compiled, hbm = first.compiled, -(-first.hbm_used // MIB) * MIB
+    else:
+        compiled = lowered.compile(compiler_options=options)
     stats = compiled.memory_analysis()
     temp, arguments = int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes)
     outputs, aliased = int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes)
@@ -113,7 +175,49 @@ def read_figures(lowered) -> CompiledMemory:
         peak = arguments + outputs - aliased + temp
     return CompiledMemory(temp_bytes=temp, argument_bytes=arguments, output_bytes=outputs,
                           alias_bytes=aliased, dots=_dots(compiled.as_text(), target),
-                          peak_bytes=peak, platform=target.platform, figure=target.figure)
+                          peak_bytes=peak, platform=target.platform, figure=target.figure,
+                          hbm_bytes=int(hbm), hbm_mode=mode)
+
+
+# -- the figure cache ------------------------------------------------------------------------------
+_CACHE: dict[str, CompiledMemory] = {}
+
+
+def _versions() -> tuple:
+    found = []
+    for package in ("jax", "jaxlib", "libtpu"):
+        try:
+            found.append(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            found.append(None)
+    return tuple(found)
+
+
+def _cache_key(target: Target, options: dict, lowered, mode: str) -> str:
+    what = repr((target.key, sorted(options.items()), mode, _versions()))
+    digest = hashlib.sha256(what.encode())
+    digest.update(lowered.as_text().encode())
+    return digest.hexdigest()
+
+
+def _from_disk(key: str) -> CompiledMemory | None:
+    if not config.figure_cache_dir:
+        return None
+    try:
+        with open(os.path.join(config.figure_cache_dir, f"{key}.json")) as f:
+            return CompiledMemory(**json.load(f))
+    except (OSError, ValueError, TypeError):  # absent, or written by another version: measure
+        return None
+
+
+def _to_disk(key: str, figures: CompiledMemory) -> None:
+    if not config.figure_cache_dir:
+        return
+    os.makedirs(config.figure_cache_dir, exist_ok=True)
+    fd, path = tempfile.mkstemp(dir=config.figure_cache_dir, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(dataclasses.asdict(figures), f)
+    os.replace(path, os.path.join(config.figure_cache_dir, f"{key}.json"))  # atomic
 
 
 def _dots(hlo: str, target: Target) -> int:

@@ -161,94 +161,95 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
                          _peak(done), None, 0, 0.0, started)
     no_remat = xla_temp(plain) if reference is None else reference
     target = int(amount) if kind == "bytes" else int(amount * no_remat)
-    report = {"planner": planner, "budget": target, "budget_given": budget,
-              "no_remat_temp": no_remat}
-    finished = no_remat if done is plain and reference is None else xla_temp(done)
-    if finished != no_remat:
-        report["finished_temp"] = finished
-    if finished <= target:
-        return _reported(done, report, "no remat", _peak(done), finished, 0, 0.0,
-                         started)
-    by_mode = problems(graph, rederive, plain)
-    for problem in by_mode.values():
-        problem.finish = finish
-    used = _used(planner, by_mode)
-    estimates = {m: _peak(p.finished()) for m, p in by_mode.items()}
-    # What XLA allocates beyond the estimate in a mode, whatever the plan (a scan's stacked
-    # gradients, layout copies): the model's target is the budget less that. Measured on the
-    # mode's graph when a plan of that mode is first chosen; until then, no remat's.
-    offset = {m: None for m in by_mode} | {"loops as traced": finished - estimates[
-        "loops as traced"]}
-    room = {}
-    for mode, problem in by_mode.items():
-        problem.planner = _planner(used, problem, max(estimates[mode], target))
-        least = problem.planner.smallest()
-        room[mode] = -1 if least is None else target - offset["loops as traced"] - least[0]
-    slack, fits, over, tried = 0.0, [], None, {}
-    while len(tried) <= XLA_RETRIES:
-        guess = offset["loops as traced"]
-        budgets = {m: target - (guess if o is None else o) - slack for m, o in offset.items()}
-        found = _fit_estimate(by_mode, budgets, used)
-        if found is None:
-            break
-        plan, candidate, estimate = found
-        if offset[plan.base] is None:  # calibrate this mode, then plan again
-            offset[plan.base] = xla_temp(by_mode[plan.base].finished()) - estimates[plan.base]
-            continue
-        key = plan.describe()
-        if key not in tried:
-            tried[key] = xla_temp(candidate)
-        temp = tried[key]
-        if temp <= target:
-            fits.append((plan.cost, temp, plan, candidate, estimate, slack))
-            if over is None or over - slack <= 0.01 * target:
+    with validate.at_budget(target):  # on TPU: each graph compiled at the budget's size
+        report = {"planner": planner, "budget": target, "budget_given": budget,
+                  "no_remat_temp": no_remat}
+        finished = no_remat if done is plain and reference is None else xla_temp(done)
+        if finished != no_remat:
+            report["finished_temp"] = finished
+        if finished <= target:
+            return _reported(done, report, "no remat", _peak(done), finished, 0, 0.0,
+                             started)
+        by_mode = problems(graph, rederive, plain)
+        for problem in by_mode.values():
+            problem.finish = finish
+        used = _used(planner, by_mode)
+        estimates = {m: _peak(p.finished()) for m, p in by_mode.items()}
+        # What XLA allocates beyond the estimate in a mode, whatever the plan (a scan's stacked
+        # gradients, layout copies): the model's target is the budget less that. Measured on the
+        # mode's graph when a plan of that mode is first chosen; until then, no remat's.
+        offset = {m: None for m in by_mode} | {"loops as traced": finished - estimates[
+            "loops as traced"]}
+        room = {}
+        for mode, problem in by_mode.items():
+            problem.planner = _planner(used, problem, max(estimates[mode], target))
+            least = problem.planner.smallest()
+            room[mode] = -1 if least is None else target - offset["loops as traced"] - least[0]
+        slack, fits, over, tried = 0.0, [], None, {}
+        while len(tried) <= XLA_RETRIES:
+            guess = offset["loops as traced"]
+            budgets = {m: target - (guess if o is None else o) - slack for m, o in offset.items()}
+            found = _fit_estimate(by_mode, budgets, used)
+            if found is None:
                 break
-            slack = (slack + over) / 2  # a cheaper plan may fit with less slack
-        else:
-            over = slack
-            least = min((f[5] for f in fits), default=None)
-            most = max(room.values())
-            if most < 0 or slack >= most:
-                break
-            # More slack by what XLA missed; halfway to the known fit, or to the most slack
-            # any mode can take (XLA's temp is not the estimate plus a constant).
-            slack = ((slack + least) / 2 if least is not None else
-                     min(slack + (temp - target) / MARGIN, (slack + most) / 2))
-    hands = _hand_arrangements(by_mode)
-    if fits:
-        _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
-    else:  # the plans needing the least memory of each mode and the hand arrangements
-        smallest = _smallest_plans(by_mode, tried) + _swept_plans(by_mode, tried) + [
-            (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
-        if planner == "exact":  # tried here once: its schedule is one more candidate
-            on = _on_graph(by_mode["loops as traced"], float("inf"), target, tried, started)
+            plan, candidate, estimate = found
+            if offset[plan.base] is None:  # calibrate this mode, then plan again
+                offset[plan.base] = xla_temp(by_mode[plan.base].finished()) - estimates[plan.base]
+                continue
+            key = plan.describe()
+            if key not in tried:
+                tried[key] = xla_temp(candidate)
+            temp = tried[key]
+            if temp <= target:
+                fits.append((plan.cost, temp, plan, candidate, estimate, slack))
+                if over is None or over - slack <= 0.01 * target:
+                    break
+                slack = (slack + over) / 2  # a cheaper plan may fit with less slack
+            else:
+                over = slack
+                least = min((f[5] for f in fits), default=None)
+                most = max(room.values())
+                if most < 0 or slack >= most:
+                    break
+                # More slack by what XLA missed; halfway to the known fit, or to the most slack
+                # any mode can take (XLA's temp is not the estimate plus a constant).
+                slack = ((slack + least) / 2 if least is not None else
+                         min(slack + (temp - target) / MARGIN, (slack + most) / 2))
+        hands = _hand_arrangements(by_mode)
+        if fits:
+            _, temp, plan, candidate, estimate, _ = min(fits, key=lambda f: (f[0], f[1]))
+        else:  # the plans needing the least memory of each mode and the hand arrangements
+            smallest = _smallest_plans(by_mode, tried) + _swept_plans(by_mode, tried) + [
+                (plan, candidate, _temp(plan, candidate, tried)) for _, plan, candidate in hands]
+            if planner == "exact":  # tried here once: its schedule is one more candidate
+                on = _on_graph(by_mode["loops as traced"], float("inf"), target, tried, started)
+                report["on_graph"] = on[0]
+                if on[1] is not None:
+                    smallest.append((on[1][0], on[1][1], on[1][3]))
+            fitting = [s for s in smallest if s[2] <= target]
+            if not fitting and kind == "fraction":
+                return _least(done, smallest, report | {"used": used}, budget, tried, started)
+            if not fitting:
+                raise _unreachable(target, no_remat, tried, report.get("finished_temp"))
+            plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
+            estimate = _peak(candidate)
+        if used == "exact" and not plan.label.startswith(HAND):
+            exact = _exactly(by_mode[plan.base], plan, target, tried, started, planner)
+            report["milp"] = exact[0]
+            if exact[1] is not None:
+                plan, candidate, estimate, temp = exact[1]
+        if planner == "exact" and "on_graph" not in report:
+            on = _on_graph(by_mode[plan.base], recompute_flops(candidate), target, tried, started)
             report["on_graph"] = on[0]
             if on[1] is not None:
-                smallest.append((on[1][0], on[1][1], on[1][3]))
-        fitting = [s for s in smallest if s[2] <= target]
-        if not fitting and kind == "fraction":
-            return _least(done, smallest, report | {"used": used}, budget, tried, started)
-        if not fitting:
-            raise _unreachable(target, no_remat, tried, report.get("finished_temp"))
-        plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
-        estimate = _peak(candidate)
-    if used == "exact" and not plan.label.startswith(HAND):
-        exact = _exactly(by_mode[plan.base], plan, target, tried, started, planner)
-        report["milp"] = exact[0]
-        if exact[1] is not None:
-            plan, candidate, estimate, temp = exact[1]
-    if planner == "exact" and "on_graph" not in report:
-        on = _on_graph(by_mode[plan.base], recompute_flops(candidate), target, tried, started)
-        report["on_graph"] = on[0]
-        if on[1] is not None:
-            plan, candidate, estimate, temp = on[1]
-    # a hand arrangement doing less recompute than the plan found, if one fits
-    found = _first_fitting(hands, recompute_flops(candidate), target, tried)
-    if found is not None:
-        plan, candidate, temp = found
-        estimate = _peak(candidate)
-    return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
-                     len(tried) - 1, recompute_flops(candidate), started)
+                plan, candidate, estimate, temp = on[1]
+        # a hand arrangement doing less recompute than the plan found, if one fits
+        found = _first_fitting(hands, recompute_flops(candidate), target, tried)
+        if found is not None:
+            plan, candidate, temp = found
+            estimate = _peak(candidate)
+        return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
+                         len(tried) - 1, recompute_flops(candidate), started)
 
 
 def _hand_arrangements(by_mode: dict) -> list[tuple[float, Plan, Graph]]:

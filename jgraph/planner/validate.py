@@ -1,18 +1,21 @@
 """Budgets, and what XLA allocates for a plan.
 
 A budget is a number of bytes of the figure that bounds the step on the target it is planned for
-(`jgraph.target`: `temp_size_in_bytes` on CPU, `peak_memory_in_bytes` on TPU and GPU), or a
+(`jgraph.target`: `temp_size_in_bytes` on CPU, HBM on TPU, `peak_memory_in_bytes` on GPU), or a
 string "NN%" (a fraction of that figure for the graph's donated training step without remat).
 `xla_temp(graph)` compiles that donated step (`jgraph.memory.donated_step`) for the target in
 force (`jgraph.target.measuring_on`) from the graph's input avals, as `jax.ShapeDtypeStruct`s
 placed on it, so no example arguments and no device are needed, and reads the budget's figure; a
-step whose HLO was compiled before in this process for the same kind of target is not compiled
-again (the search, and a period's two orders, meet the same program under different graphs).
+step whose HLO was compiled before for the same kind of target is not compiled again
+(`jgraph.memory.compiled`'s cache: the search, and a period's two orders, meet the same program
+under different graphs). On TPU, while a budget is in force (`at_budget`), a graph is compiled
+at that HBM size: one compile says whether it fits.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import contextvars
 import math
 import numbers
 import re
@@ -79,22 +82,31 @@ def abstract_step_args(graph: Graph):
     return state, rest
 
 
-_MEASURED: dict[tuple, CompiledMemory] = {}  # (target's key, HLO text's digest) -> figures
+_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("jgraph_budget_in_force",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def at_budget(budget_bytes: int | None):
+    """Measurements inside are compiled at an HBM size of `budget_bytes` on TPU (rounded down to
+    MiB): one compile says on which side of the budget a graph lies, and what it used or needed
+    there (`jgraph.memory.hbm`); elsewhere nothing changes."""
+    token = _LIMIT.set(budget_bytes)
+    try:
+        yield
+    finally:
+        _LIMIT.reset(token)
 
 
 def xla_temp(graph: Graph) -> int:
     """The budget's figure (`jgraph.target`) of the compiled donated training step of `graph` on
-    the target in force: its temp on CPU, its peak on TPU and GPU."""
+    the target in force: its temp on CPU, its HBM need on TPU, its peak on GPU."""
     return xla_figures(graph).budget_bytes
 
 
 def xla_figures(graph: Graph) -> CompiledMemory:
     """XLA's figures for the compiled donated step of `graph` on the target in force, compiled
-    once per program and kind of target."""
+    once per program, kind of target and budget in force (`at_budget`)."""
     with warnings.catch_warnings():  # a measurement: which donations XLA uses is not news here
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        target, lowered = lowered_step(graph, current())
-        key = (target.key, hashlib.sha256(lowered.as_text().encode()).digest())
-        if key not in _MEASURED:
-            _MEASURED[key] = read_figures((target, lowered))
-    return _MEASURED[key]
+        return read_figures(lowered_step(graph, current()), hbm_limit=_LIMIT.get())

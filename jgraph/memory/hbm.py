@@ -1,0 +1,118 @@
+"""A TPU step's fit figure: the HBM it needs, found by compiling at an HBM size.
+
+What decides whether a step fits a TPU is the compiler's own check (DESIGN §5,
+`reference/tpu-figures.md`): the arguments (donated ones in full), the HLO buffers it places in
+HBM (`default` memory space) and the program's code overlays must fit the chip's HBM size N
+(`xla_tpu_max_hbm_size_mib`). No `memory_analysis()` field is that figure, and the need itself
+moves with N: under a tight N the compiler keeps less code and schedules for memory. So the
+figure is read off compiles at an HBM size:
+- a compile that succeeds at N used `hbm_used` bytes: its buffers (the memory-usage report the
+  compiler writes beside a dumped module) plus its code (`generated_code_size_in_bytes`);
+- one that fails says what it needed at N: "Used X of N hbm" after code generation, or "the
+  total memory required for HLO temporaries (X) exceeds available HBM (N)" after buffer
+  assignment (a fast failure: 0.1-0.8 s).
+
+`at_size(lowered, n)` is one compile: whether the step fits N MiB, and what it needed there.
+`smallest_size(lowered)` is the exact figure: the smallest N (MiB) at which the step compiles,
+found from the default compile's use by jumping on what each compile reports, as bisection would
+find it. The jumps assume what the compiler shows: its need does not grow when the HBM shrinks
+(a step that fits N with X used fits every size from X to N; one that needs X at N fails at
+every size from N to X). It takes 2-4 compiles; the fast failures are most of them.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+
+MIB = 2**20
+_REPORT = re.compile(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)")
+_USED = re.compile(r"Used ([\d.]+)([KMG]?) of [\d.]+[KMG]? hbm")
+_TEMPORARIES = re.compile(r"HLO temporaries \(([\d.]+)([KMG]?)\) exceeds available HBM")
+_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+class HBMError(RuntimeError):
+    """The TPU compiler's output did not say what jgraph reads from it (another libtpu)."""
+
+
+@dataclass(frozen=True)
+class AtSize:
+    """One compile of a step at an HBM size."""
+
+    size_mib: int | None  # the HBM size compiled at (None: the chip's own)
+    fits: bool  # it compiled there
+    hbm_used: int  # bytes it needed there: buffers + code (fits) or what the failure reported
+    compiled: object = None  # the compiled step, when it fits
+
+
+def at_size(lowered, options: dict, size_mib: int | None = None) -> AtSize:
+    """Compile `lowered` (a `jax.stages.Lowered` for a TPU) at `size_mib` MiB of HBM (None: the
+    chip's size) with `options`; a failure other than running out of HBM is raised."""
+    extra = {} if size_mib is None else {"xla_tpu_max_hbm_size_mib": int(size_mib)}
+    with tempfile.TemporaryDirectory(prefix="jgraph-hbm-") as dump:
+        try:
+            compiled = lowered.compile(compiler_options={**options, **extra,
+                                                         "xla_dump_to": dump})
+        except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED
+            needed = _needed(str(e))
+            if needed is None:
+                raise
+            return AtSize(size_mib, False, needed)
+        buffers = _report_bytes(dump)
+    code = int(compiled.memory_analysis().generated_code_size_in_bytes)
+    return AtSize(size_mib, True, buffers + code, compiled)
+
+
+def smallest_size(lowered, options: dict) -> tuple[int, AtSize]:
+    """(the smallest HBM size in MiB at which `lowered` compiles, the compile at the chip's own
+    size). Module docstring."""
+    first = at_size(lowered, options)
+    if not first.fits:
+        raise HBMError(f"the step does not fit the chip's HBM: it needs "
+                       f"{first.hbm_used / MIB:.2f} MiB")
+    lo, hi = 0, _ceil_mib(first.hbm_used)  # lo fails (0: nothing fits no HBM), hi fits
+    probe, compiles = hi - 1, 0
+    while lo + 1 < hi:
+        got = at_size(lowered, options, probe)
+        compiles += 1
+        if got.fits:
+            hi = min(probe, _ceil_mib(got.hbm_used))
+        else:
+            lo = max(probe, _ceil_mib(got.hbm_used) - 1)
+        # next to the side just learned (the need moves little with the size), then halving
+        near = hi - 1 if got.fits else lo + 1
+        probe = near if compiles < JUMPS else (lo + hi) // 2
+    return hi, first
+
+
+JUMPS = 3  # compiles that try next to the last answer before the search halves the interval
+
+
+def _ceil_mib(n: int) -> int:
+    return max(1, math.ceil(n / MIB))
+
+
+def _needed(message: str) -> int | None:
+    for pattern in (_USED, _TEMPORARIES):
+        m = pattern.search(message)
+        if m:  # printed to 0.01 of its unit: rounded up, never under
+            return math.ceil((float(m.group(1)) + 0.005) * _UNIT[m.group(2)])
+    return None
+
+
+def _report_bytes(dump: str) -> int:
+    """The bytes the buffer assignment places in HBM, from the compiler's memory-usage report."""
+    reports = glob.glob(os.path.join(dump, "*after_optimizations-memory-usage-report.txt"))
+    found = []
+    for path in reports:
+        with open(path) as f:
+            found += [int(m.group(1)) for m in _REPORT.finditer(f.read())]
+    if len(found) != 1:
+        raise HBMError(f"jgraph: TPU's compiler wrote {len(found)} memory-usage reports of HBM "
+                       "for one step (expected one); this libtpu may name them differently")
+    return found[0]
