@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jgraph.backward import backward
-from jgraph.dropin import arguments
+from jgraph.dropin import arguments, recording
 from jgraph.dropin.arguments import DATA, PARAM, STATIC, ArgumentError, UnsupportedOptionError
 from jgraph.dropin.cache import TraceCache, reads
 from jgraph.dropin.runner import GraphRunner
@@ -116,8 +116,13 @@ class ValueAndGrad:
 
     def __call__(self, *args, **kwargs):
         call = self._split(args, kwargs)
-        entry = self._entry(call)
-        (value, grads) = entry.assemble(entry.run(call.dynamic))
+        recorder = recording.current()
+        if recorder is not None:  # the step of a `jg.jit`: its graph computes this call
+            entry, flat = recorder.grad_call(self, call, lambda: self._entry(call))
+        else:
+            entry = self._entry(call)
+            flat = entry.run(call.dynamic)
+        (value, grads) = entry.assemble(flat)
         if self.value:
             return value, grads
         return (grads, value[1]) if self.has_aux else grads
@@ -177,8 +182,9 @@ class ValueAndGrad:
 
         nums = call.argnums
         param_argnums = nums[0] if isinstance(self.argnums, int) else nums
-        graph, closed_over = trace_closure(traced, *arguments.with_holes(call),
-                                           param_argnums=param_argnums, has_aux=has_aux)
+        with recording.suspended():  # a gradient inside `fun` is not the step's own
+            graph, closed_over = trace_closure(traced, *arguments.with_holes(call),
+                                               param_argnums=param_argnums, has_aux=has_aux)
         kinds = [d[0] for d in signature.leaves if d[0] != STATIC]
         differentiated = [k for k, pos in zip(kinds, _argument_of(call), strict=True)
                           if pos in nums]
