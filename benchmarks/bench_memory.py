@@ -10,6 +10,17 @@ models of `benchmarks/bench_loops.py` and the demo's training graphs: the joint 
 issue's bar: every ratio within [0.75, 1.25].
 
     python -m benchmarks.bench_memory [--quick] [--plot memory.png]
+
+With `--target cpu|tpu`: the model of `jgraph.memory.model` against the target's own fit figure
+(temp on CPU; on TPU the HBM need, exact), per model and plan: every hand-written arrangement
+of `bench_planner`'s models and the scanned LM (traced as checkpoint regions, `jg.remat`), and
+on CPU the planner's plans at 75 / 50 / 25 %; each predicted from the one calibration compile
+of its unplanned step. On TPU (ahead of time, `pip install 'jgraph[tpu]'`, JAX_PLATFORMS=cpu),
+models whose activations exceed the VMEM: the 8-layer MLP of `reference/tpu-figures.md` (d 1024,
+batch 4096 and 16384) and the scanned LM at vocab 4096 (batch 16 and 64). The issue's bar: every
+error within 10 %.
+
+    python -m benchmarks.bench_memory --target cpu|tpu [--quick]
 """
 
 from __future__ import annotations
@@ -208,7 +219,86 @@ def rows(quick: bool = False) -> list[dict]:
     return out
 
 
+# -- the model against a target's figure ---------------------------------------------------------
+def _tpu_models(quick: bool):
+    """{name: (fn, args, {arrangement: fn})} of steps whose activations exceed a v5e's VMEM."""
+    from benchmarks.bench_max_batch import model as max_batch_model
+
+    def mlp(remat):
+        def loss(ws, x):
+            for w in ws:
+                layer = lambda h, w: jnp.tanh(h @ w)  # noqa: E731
+                x = (jax.checkpoint(layer) if remat else layer)(x, w)
+            return jnp.mean(x**2)
+        return loss
+
+    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
+    found = {}
+    for batch in (4096,) if quick else (4096, 16384):
+        x = jax.ShapeDtypeStruct((batch, 1024), jnp.float32)
+        found[f"mlp8 batch {batch}"] = (mlp(False), (ws, x), {"checkpoint per layer": mlp(True)})
+    plain, params, hand, _ = max_batch_model("scanlm-4096")
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    for batch in (16,) if quick else (16, 64):
+        toks = jax.ShapeDtypeStruct((batch, 128), jnp.int32)
+        found[f"scanlm8 batch {batch}"] = (plain, (params, toks), {
+            "scan(checkpoint(body))": hand["scan(checkpoint(body, nothing_saveable))"]})
+    return found
+
+
+def target_rows(platform: str, quick: bool = False):
+    """(model, plan, predicted, compiled) per model and plan on the target."""
+    from benchmarks.bench_planner import models as planner_models
+    from jgraph.target import resolve
+
+    if platform == "tpu":
+        from jax.experimental import topologies
+
+        target = topologies.get_topology_desc(platform="tpu",
+                                              topology_name="v5e:2x2").devices[0]
+        found = _tpu_models(quick)
+        budgets = ()
+    else:
+        target, found, budgets = resolve(platform), planner_models(), ("75%", "50%", "25%")
+        if quick:
+            found = {k: found[k] for k in ("chain32", "transformer6", "scan64")}
+    for name, (fn, args, hand) in found.items():
+        plain = jg.backward(jg.trace(fn, *args, param_argnums=0))
+        plans = {"no remat": plain}
+        for arrangement, f in hand.items():
+            if arrangement != "no remat":
+                plans[arrangement] = jg.remat(jg.backward(jg.trace(f, *args, param_argnums=0)))
+        for budget in budgets:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plans[f"jg.remat(budget={budget!r})"] = jg.remat(plain, budget=budget,
+                                                                 target=target)
+        for plan_name, graph in plans.items():
+            started = time.perf_counter()
+            predicted = jg.memory(graph, target=target, unplanned=plain).peak_bytes
+            took = time.perf_counter() - started
+            compiled = jg.compiled_memory(graph, target=target).budget_bytes
+            yield name, plan_name, predicted, compiled, took
+
+
+def print_target_rows(platform: str, quick: bool) -> None:
+    print(f"| model | plan | predicted | {platform}'s figure | error | predicted in |")
+    print("|---|---|---|---|---|---|")
+    errors = []
+    for name, plan, predicted, compiled, took in target_rows(platform, quick):
+        error = predicted / compiled - 1 if compiled else float(predicted != 0)
+        errors.append(abs(error))
+        print(f"| {name} | {plan} | {_size(predicted)} | {_size(compiled)} | {error:+.1%} | "
+              f"{took:.2f} s |", flush=True)
+    errors.sort()
+    print(f"median error {errors[len(errors) // 2]:.1%}, worst {errors[-1]:.1%}; "
+          f"{sum(e <= 0.10 for e in errors)} of {len(errors)} within 10 %")
+
+
 if __name__ == "__main__":
+    if "--target" in sys.argv:
+        print_target_rows(sys.argv[sys.argv.index("--target") + 1], "--quick" in sys.argv)
+        sys.exit(0)
     table = rows(quick="--quick" in sys.argv)
     for row in table:
         print(f"{row['benchmark']:78s} {row['jgraph']:>11s} {row['reference']:>11s} "

@@ -54,7 +54,7 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
         with measuring_on(target) as where:
-            return _on_target(_planned(graph, budget, planner, chunks), where)
+            return _recorded(_on_target(_planned(graph, budget, planner, chunks), where), graph)
     if target is not None:
         resolve(target)  # (a bad target is an error however it is used)
     if planner != "auto":
@@ -63,9 +63,18 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
     if chunks != CHUNKS:
         raise TransformError(f"remat(chunks={chunks!r}) is an option of a budget's plan: give "
                              "budget= too")
+    given = graph
     if policy is not None and _loops(graph):
         graph = _with_policy_in_loops(graph, policy)
-    return apply_regions(graph, policy)
+    return _recorded(apply_regions(graph, policy), given)
+
+
+def _recorded(plan: Graph | None, given: Graph) -> Graph | None:
+    """`plan` with the graph it is a plan of (`info["unplanned"]`: what `jg.memory(plan,
+    target=...)` calibrates its model on)."""
+    if plan is None:
+        return plan
+    return plan.replace(info={**plan.info, "unplanned": without_regions(given)})
 
 
 def planned_then(graph: Graph, then, *, budget, planner: str = "auto",

@@ -86,7 +86,7 @@ def test_the_smallest_size_is_found_as_a_scan_finds_it(lowered):
 def test_a_constant_need_takes_three_compiles():
     lowered = StandIn(lambda n: 89 * MIB + 12345, lambda n: 9 * MIB if n < 200 else 16 * MIB)
     assert hbm.smallest_size(lowered, {})[0] == 99 == brute_force(lowered)
-    assert len(lowered.sizes) == 3  # the chip's size, just under its use, just under the need
+    assert len(lowered.sizes) == 4  # the chip's size, at its use, at the need, a MiB under
 
 
 def test_one_compile_at_a_size_says_which_side_it_lies_on():

@@ -14,10 +14,9 @@ figure is read off compiles at an HBM size:
 
 `at_size(lowered, n)` is one compile: whether the step fits N MiB, and what it needed there.
 `smallest_size(lowered)` is the exact figure: the smallest N (MiB) at which the step compiles,
-found from the default compile's use by jumping on what each compile reports, as bisection would
-find it. The jumps assume what the compiler shows: its need does not grow when the HBM shrinks
-(a step that fits N with X used fits every size from X to N; one that needs X at N fails at
-every size from N to X). It takes 2-4 compiles; the fast failures are most of them.
+found as bisection finds it, both ends compiled (it fits at N, not at N - 1 MiB), each probe
+placed next to what the last compile used or needed there (the need moves little with the
+size): 3-5 compiles, the last ones near the need.
 """
 
 from __future__ import annotations
@@ -70,27 +69,31 @@ def at_size(lowered, options: dict, size_mib: int | None = None) -> AtSize:
 
 def smallest_size(lowered, options: dict) -> tuple[int, AtSize]:
     """(the smallest HBM size in MiB at which `lowered` compiles, the compile at the chip's own
-    size). Module docstring."""
+    size). Module docstring: both ends are compiled, the size found and one MiB below it."""
     first = at_size(lowered, options)
     if not first.fits:
         raise HBMError(f"the step does not fit the chip's HBM: it needs "
                        f"{first.hbm_used / MIB:.2f} MiB")
-    lo, hi = 0, _ceil_mib(first.hbm_used)  # lo fails (0: nothing fits no HBM), hi fits
-    probe, compiles = hi - 1, 0
-    while lo + 1 < hi:
+    lo, hi = 0, None  # the largest size seen failing (0: nothing fits no HBM), smallest fitting
+    got, compiles = first, 0
+    while hi is None or lo + 1 < hi:
+        # next to where the last compile says the need lies (it moves little with the size),
+        # after a few such jumps halving what is left
+        near = _ceil_mib(got.hbm_used)
+        if got.fits and got.size_mib is not None:
+            near = min(near, got.size_mib - 1)
+        jump = compiles < JUMPS and lo < near and (hi is None or near < hi)
+        probe = near if jump or hi is None else (lo + hi) // 2
         got = at_size(lowered, options, probe)
         compiles += 1
         if got.fits:
-            hi = min(probe, _ceil_mib(got.hbm_used))
+            hi = probe
         else:
-            lo = max(probe, _ceil_mib(got.hbm_used) - 1)
-        # next to the side just learned (the need moves little with the size), then halving
-        near = hi - 1 if got.fits else lo + 1
-        probe = near if compiles < JUMPS else (lo + hi) // 2
+            lo = probe
     return hi, first
 
 
-JUMPS = 3  # compiles that try next to the last answer before the search halves the interval
+JUMPS = 4  # compiles that try next to the last answer before the search halves the interval
 
 
 def _ceil_mib(n: int) -> int:

@@ -25,9 +25,10 @@ from jgraph.check import validate
 from jgraph.errors import JGraphError
 from jgraph.ir import Graph, Var, short_aval
 from jgraph.memory.estimate import estimate
+from jgraph.memory.model import calibration, unplanned_of
 from jgraph.opkinds import nbytes
 from jgraph.plot import plot_memory
-from jgraph.target import TargetError, resolve
+from jgraph.target import resolve
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class MemoryReport:
     step_roles: tuple[str, ...] = ()  # per step: forward, backward, recompute, update, copy
     hidden_bytes: int = 0  # temps XLA places in donated arguments' allocations (not counted)
     breakdown: Mapping[str, int] = field(default_factory=dict)  # the peak by what is live
+    model: str = "XLA:CPU simulated"  # what `peak_bytes` is (`jgraph.memory.model` with target=)
 
     @property
     def residual_bytes(self) -> int:
@@ -96,18 +98,18 @@ def peak_bytes(graph: Graph) -> int:
     return estimate(graph).placement.peak
 
 
-def memory(graph: Graph, *, target=None) -> MemoryReport:
-    """The memory report of `graph`: XLA:CPU's temp bytes for its donated step, estimated.
-    `target=` (`jgraph.target`) names the compiler modelled; the model is XLA:CPU's, and for
-    another platform `jg.compiled_memory(graph, target=...)` gives its compiler's figures."""
+def memory(graph: Graph, *, target=None, unplanned: Graph | None = None) -> MemoryReport:
+    """The memory report of `graph`: XLA:CPU's temp bytes for its donated step, simulated.
+    With `target=` (`jgraph.target`; CPU or TPU), `peak_bytes` is the model's prediction of the
+    target's fit figure (`jg.compiled_memory(graph, target=...).budget_bytes`), calibrated by
+    one compile of the graph it is a plan of (`unplanned`: by default the one `jg.remat`
+    recorded, else the graph itself; `jgraph.memory.model`). The schedule, timeline and
+    residuals are the simulator's either way."""
     validate(graph, "jg.memory")
-    where = resolve(target)
-    if where.platform != "cpu":
-        raise TargetError(
-            f"jg.memory(target={where.describe()}): jgraph's memory model is XLA:CPU's; "
-            f"{where.platform.upper()}'s compiler is not modelled yet. Its own figures come "
-            "from jg.compiled_memory(graph, *args_or_avals, target=...) (ahead of time, no "
-            "device needed)")
+    predicted = model = None
+    if target is not None:
+        fitted = calibration(unplanned_of(graph, unplanned), resolve(target))
+        predicted, model = fitted.predict(graph), fitted.describe
     est = estimate(graph)
     order, place, origin = est.order, est.placement, est.program.origin
     index = {e: i for i, e in enumerate(graph.eqns)}
@@ -137,7 +139,7 @@ def memory(graph: Graph, *, target=None) -> MemoryReport:
         breakdown["workspace"] = order[place.peak_step].workspace
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     return MemoryReport(
-        peak_bytes=place.peak,
+        peak_bytes=place.peak if predicted is None else predicted,
         peak_eqn=_peak_eqn(schedule, place.peak_step),
         live_bytes=tuple(live),
         argument_bytes=sum(nbytes(v.aval) for v in graph.inputs),
@@ -149,6 +151,7 @@ def memory(graph: Graph, *, target=None) -> MemoryReport:
         step_roles=tuple(k.role for k in order),
         hidden_bytes=sum(v.size for v in place.hidden),
         breakdown=breakdown,
+        **({} if model is None else {"model": model}),
     )
 
 

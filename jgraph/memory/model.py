@@ -1,0 +1,104 @@
+"""The model: a target's fit figure (`jgraph.target`) of any plan of a graph, from one compile.
+
+A `Calibration` is made once per graph and target, from the *unplanned* step (the joint graph
+without its checkpoint regions, the graph a plan is made from): its fit figure, compiled
+(`compiled.read_figures`), beside the model's own figure of it. A plan of that graph is then
+predicted without a full compile:
+- CPU: jgraph's simulator of XLA:CPU (`estimate`: fusion, schedule and buffer assignment
+  replayed on the graph), scaled by the unplanned step's compiled temp over its simulated one:
+  what XLA:CPU allocates beyond the simulator on a graph (layout copies, buffers it does not
+  share) grows with what the graph keeps.
+- TPU: the compiler's own buffer assignment, run only to its first HBM check: a compile at an
+  HBM size of 1 MiB fails there, in 0.1-0.8 s where a full compile takes 5-25 s, naming the
+  bytes of the HBM buffers (arguments, outputs, temps; `hbm.at_size`); plus the program's code,
+  as the unplanned step showed it (its exact figure less its buffers). Code is what it cannot
+  see: it shrinks under a tight HBM size and differs a little between plans.
+- GPU: not modelled yet (a clear error).
+
+`python -m benchmarks.bench_memory --target cpu|tpu` prints its error per model and plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from jgraph.errors import JGraphError
+from jgraph.ir import Graph
+from jgraph.memory.compiled import lowered_step, read_figures
+from jgraph.memory.estimate import estimate
+from jgraph.memory.hbm import MIB
+from jgraph.target import Target, TargetError
+
+PROBE = MIB  # the HBM size a TPU's buffer assignment is run at: always too small, so it stops
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one compile of the unplanned step taught the model on one target."""
+
+    target: Target
+    figure: int  # the unplanned step's fit figure, compiled (exact on TPU)
+    modelled: int  # the model's own figure of the unplanned step (before calibration)
+
+    def predict(self, graph: Graph) -> int:
+        """The fit figure of `graph` (a plan of the unplanned graph) on the target."""
+        if self.target.platform == "tpu":
+            return _tpu_buffers(graph, self.target) + (self.figure - self.modelled)
+        if not self.modelled:
+            return estimate(graph).placement.peak
+        return round(estimate(graph).placement.peak * self.figure / self.modelled)
+
+    @property
+    def describe(self) -> str:
+        if self.target.platform == "tpu":
+            return (f"TPU's buffer assignment + {(self.figure - self.modelled) / MIB:.2f} MiB of "
+                    "code, calibrated by one compile")
+        scale = self.figure / self.modelled if self.modelled else 1.0
+        return f"XLA:CPU simulated, x{scale:.3f} as one compile showed"
+
+
+_CALIBRATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def calibration(unplanned: Graph, target: Target) -> Calibration:
+    """The calibration of the model on `unplanned` (the graph its plans are made from), compiled
+    once per graph and kind of target."""
+    if target.platform not in ("cpu", "tpu"):
+        raise TargetError(
+            f"jg.memory(target={target.describe()}): the memory model covers CPU and TPU; "
+            f"{target.platform.upper()}'s figures come from jg.compiled_memory(graph, "
+            "*args_or_avals, target=...)")
+    known = _CALIBRATIONS.setdefault(unplanned, {})
+    if target.key not in known:
+        figure = read_figures(lowered_step(unplanned, target)).budget_bytes
+        if target.platform == "tpu":
+            modelled = _tpu_buffers(unplanned, target)
+        else:
+            modelled = estimate(unplanned).placement.peak
+        known[target.key] = Calibration(target, figure, modelled)
+    return known[target.key]
+
+
+def _tpu_buffers(graph: Graph, target: Target) -> int:
+    figures = read_figures(lowered_step(graph, target), hbm_limit=PROBE)
+    return figures.hbm_bytes if not figures.fits else min(figures.hbm_bytes, PROBE)
+
+
+def unplanned_of(graph: Graph, unplanned: Graph | None) -> Graph:
+    """The graph `graph` is a plan of: `unplanned` if given, else the one `jg.remat` recorded
+    (`info["unplanned"]`) when it takes the same inputs, else `graph` itself (its calibration
+    is then its own compiled figure)."""
+    if unplanned is None:
+        unplanned = graph.info.get("unplanned")
+        if unplanned is not None and not _same_inputs(graph, unplanned):
+            unplanned = None
+    elif not _same_inputs(graph, unplanned):
+        raise JGraphError("jg.memory(unplanned=...): the unplanned graph takes other inputs "
+                          "than the graph (give the joint graph its plans were made from)")
+    return graph if unplanned is None else unplanned
+
+
+def _same_inputs(a: Graph, b: Graph) -> bool:
+    return (a.input_roles == b.input_roles
+            and [v.aval for v in a.inputs] == [v.aval for v in b.inputs])

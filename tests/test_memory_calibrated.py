@@ -1,0 +1,94 @@
+"""`jg.memory(graph, target=...)`: the model calibrated by one compile of the unplanned step
+(`jgraph.memory.model`) against XLA's own figure of each plan, on CPU; on TPU in
+`tests/test_tpu.py`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jgraph as jg
+from jgraph.errors import JGraphError
+from jgraph.memory import compiled as compiled_module
+
+F32 = jnp.float32
+
+
+def chain(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+
+def segments(k):
+    def loss(ws, x):
+        for i in range(0, len(ws), k):
+            def segment(x, ws_):
+                for w in ws_:
+                    x = jnp.tanh(x @ w)
+                return x
+            x = jax.checkpoint(segment)(x, ws[i:i + k])
+        return jnp.mean(x**2)
+    return loss
+
+
+def block(p, x):
+    h = jax.nn.gelu(x @ p["up"]) @ p["down"]
+    return x + jnp.sin(h)
+
+
+def resmlp(remat):
+    def loss(ps, x):
+        for p in ps:
+            x = (jax.checkpoint(block) if remat else block)(p, x)
+        return jnp.mean(x**2)
+    return loss
+
+
+def _args(layers=12, width=256, batch=128):
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((width, width)) / 16, F32) for _ in range(layers)]
+    return ws, jnp.asarray(rng.standard_normal((batch, width)), F32)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 6])
+def test_a_plan_is_predicted_within_ten_percent_of_xla(k):
+    ws, x = _args()
+    plain = jg.backward(jg.trace(chain, ws, x, param_argnums=0))
+    plan = jg.remat(jg.backward(jg.trace(segments(k), ws, x, param_argnums=0)))
+    assert plan.info["unplanned"] is not None
+    predicted = jg.memory(plan, target="cpu").peak_bytes  # calibrated on the recorded graph
+    assert predicted == jg.memory(plan, target="cpu", unplanned=plain).peak_bytes
+    compiled = jg.compiled_memory(plan).temp_bytes
+    assert abs(predicted / compiled - 1) <= 0.10
+
+
+def test_the_calibration_is_one_compile_per_graph(monkeypatch):
+    rng = np.random.default_rng(1)
+    ps = [{"up": jnp.asarray(rng.standard_normal((128, 256)) / 12, F32),
+           "down": jnp.asarray(rng.standard_normal((256, 128)) / 16, F32)} for _ in range(6)]
+    x = jnp.asarray(rng.standard_normal((64, 128)), F32)
+    plain = jg.backward(jg.trace(resmlp(False), ps, x, param_argnums=0))
+    plans = [jg.remat(plain, policy=jg.policies.dots_saveable),
+             jg.remat(jg.backward(jg.trace(resmlp(True), ps, x, param_argnums=0)))]
+    compiles = []
+    measured = compiled_module._measured
+    monkeypatch.setattr(compiled_module, "_measured",
+                        lambda *a: compiles.append(a) or measured(*a))
+    monkeypatch.setattr(compiled_module, "_CACHE", {})
+    for plan in plans:
+        jg.memory(plan, target="cpu", unplanned=plain)
+    assert len(compiles) == 1  # the unplanned step's, once
+    for plan in plans:
+        predicted = jg.memory(plan, target="cpu", unplanned=plain).peak_bytes
+        assert abs(predicted / jg.compiled_memory(plan).temp_bytes - 1) <= 0.10
+
+
+def test_an_unplanned_graph_of_other_inputs_is_refused():
+    ws, x = _args(layers=3)
+    plain = jg.backward(jg.trace(chain, ws, x, param_argnums=0))
+    other = jg.backward(jg.trace(chain, ws, x[:64], param_argnums=0))
+    with pytest.raises(JGraphError, match="unplanned graph takes other inputs"):
+        jg.memory(plain, target="cpu", unplanned=other)
+    # without a target the report is the simulator's, uncalibrated, and says so
+    assert jg.memory(plain).model == "XLA:CPU simulated"
