@@ -237,13 +237,69 @@ def _tpu_models(quick: bool):
     for batch in (4096,) if quick else (4096, 16384):
         x = jax.ShapeDtypeStruct((batch, 1024), jnp.float32)
         found[f"mlp8 batch {batch}"] = (mlp(False), (ws, x), {"checkpoint per layer": mlp(True)})
+        found[f"mlp8 batch {batch}"][2]["policies"] = ("nothing_saveable", "dots_saveable")
     plain, params, hand, _ = max_batch_model("scanlm-4096")
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     for batch in (16,) if quick else (16, 64):
         toks = jax.ShapeDtypeStruct((batch, 128), jnp.int32)
         found[f"scanlm8 batch {batch}"] = (plain, (params, toks), {
-            "scan(checkpoint(body))": hand["scan(checkpoint(body, nothing_saveable))"]})
+            "scan(checkpoint(body))": hand["scan(checkpoint(body, nothing_saveable))"],
+            "policies": ("dots_saveable",)})
     return found
+
+
+def _unseen_models():
+    """Graphs no planner rule or test was written against: a gated residual MLP whose blocks all
+    read the input too, and a U-Net-shaped MLP whose decoder multiplies its skips in."""
+    ckpt = jax.checkpoint
+    rng = np.random.default_rng(7)
+
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
+
+    d, hidden, batch, n = 384, 1024, 192, 10
+    gated_params = [{"g": w(d, hidden), "u": w(d, hidden), "o": w(hidden, d)} for _ in range(n)]
+    x = jnp.asarray(rng.standard_normal((batch, d)), jnp.float32)
+
+    def gated(wrap=lambda f: f):
+        def block(h, x0, p):
+            z = h + 0.5 * x0
+            return h + (jax.nn.silu(z @ p["g"]) * (z @ p["u"])) @ p["o"]
+
+        def loss(ps, x):
+            h = x
+            for p in ps:
+                h = wrap(block)(h, x, p)
+            return jnp.mean(jnp.square(h))
+        return loss
+
+    widths = [512, 384, 256, 192, 128]
+    unet_params = {"down": [w(a, b) for a, b in zip(widths, widths[1:], strict=False)],
+                   "up": [w(b, a) for a, b in zip(widths, widths[1:], strict=False)][::-1]}
+    xu = jnp.asarray(rng.standard_normal((256, widths[0])), jnp.float32)
+
+    def unet(wrap=lambda f: f):
+        down = wrap(lambda h, m: jax.nn.gelu(h @ m))
+        up = wrap(lambda h, skip, m: jnp.tanh(h @ m) * (1 + jax.nn.sigmoid(skip)))
+
+        def loss(p, x):
+            skips, h = [], x
+            for m in p["down"]:
+                skips.append(h)
+                h = down(h, m)
+            for m, skip in zip(p["up"], reversed(skips), strict=True):
+                h = up(h, skip, m)
+            return jnp.mean(h**2)
+        return loss
+
+    return {
+        "gated10 (unseen)": (gated(), (gated_params, x), {
+            "checkpoint per block": gated(ckpt),
+            "per block, dots_saveable": gated(
+                lambda f: ckpt(f, policy=jax.checkpoint_policies.dots_saveable))}),
+        "unet-mul5 (unseen)": (unet(), (unet_params, xu), {
+            "checkpoint per layer": unet(ckpt)}),
+    }
 
 
 def target_rows(platform: str, quick: bool = False):
@@ -257,18 +313,23 @@ def target_rows(platform: str, quick: bool = False):
         target = topologies.get_topology_desc(platform="tpu",
                                               topology_name="v5e:2x2").devices[0]
         found = _tpu_models(quick)
-        budgets = ()
+        budgets = ("50%",)
     else:
-        target, found, budgets = resolve(platform), planner_models(), ("75%", "50%", "25%")
+        target, budgets = resolve(platform), ("75%", "50%", "25%")
+        found = {**planner_models(), **_unseen_models()}
         if quick:
             found = {k: found[k] for k in ("chain32", "transformer6", "scan64")}
     for name, (fn, args, hand) in found.items():
         plain = jg.backward(jg.trace(fn, *args, param_argnums=0))
         plans = {"no remat": plain}
         for arrangement, f in hand.items():
-            if arrangement != "no remat":
+            if arrangement == "policies":
+                for policy in f:
+                    plans[f"{policy}, whole forward"] = jg.remat(
+                        plain, policy=getattr(jg.policies, policy))
+            elif arrangement != "no remat":
                 plans[arrangement] = jg.remat(jg.backward(jg.trace(f, *args, param_argnums=0)))
-        for budget in budgets:
+        for budget in budgets if "scanlm" not in name or platform == "cpu" else ():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 plans[f"jg.remat(budget={budget!r})"] = jg.remat(plain, budget=budget,

@@ -165,6 +165,20 @@ def test_the_least_plan_reaches_jaxs_per_layer_checkpoint_on_tpu(topology, gb):
     assert jg.compiled_memory(least, target=chip).hbm_bytes <= 1.02 * hand
 
 
+def test_the_model_predicts_a_plans_hbm_from_one_compile(topology, gb):
+    """`jg.memory(plan, target=chip)`: the compiler's buffer assignment run to its first HBM
+    check, plus the code the unplanned step's one full compile showed, within 10 % of the
+    plan's exact figure."""
+    chip = topology.devices[0]
+    plans = [jg.remat(jg.backward(jg.trace(checkpointed, WS, X, param_argnums=0))),
+             jg.remat(gb, policy=jg.policies.nothing_saveable)]
+    for plan in plans:
+        report = jg.memory(plan, target=chip, unplanned=gb)
+        assert "TPU's buffer assignment" in report.model
+        exact = jg.compiled_memory(plan, target=chip).hbm_bytes
+        assert abs(report.peak_bytes / exact - 1) <= 0.10, (report.peak_bytes, exact)
+
+
 def test_a_mesh_of_four_chips_is_measured_per_device(topology):
     mesh = jax.sharding.Mesh(np.array(topology.devices), ("data",))
     x = jax.ShapeDtypeStruct((4 * B, D), F32)  # each chip gets B rows, as one chip above
