@@ -8,6 +8,8 @@ figure is the TPU compiler's own: the HBM the donated step needs (the smallest H
 it compiles, the compiler's own rematerialization off), against JAX's step measured the same
 way."""
 
+import dataclasses
+import importlib
 import importlib.util
 import warnings
 
@@ -118,6 +120,8 @@ def test_a_budget_is_met_on_the_tpus_figure_and_its_recompute_survives(topology,
     info = plan.info["remat"]
     assert info["figure"] == "hbm_bytes" and "TPU" in info["target"]
     assert info["plan"] != "no remat" and info["xla_temp"] <= budget
+    # planned on the model, its plan compiled once at the budget's size to confirm it
+    assert info["confirmed"] == f"at {budget // MIB} MiB" and info["model_temp"] <= budget
     there = jg.compiled_memory(plan, target=chip)
     assert there.hbm_bytes <= budget
     recomputed = sum(e.op == "dot_general" for e in plan.eqns if "recompute" in e.tags)
@@ -129,6 +133,26 @@ def test_a_budget_is_met_on_the_tpus_figure_and_its_recompute_survives(topology,
     got, want = jg.compile(plan)(ws, x), jax.value_and_grad(chain)(ws, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_a_model_that_misses_is_corrected_by_its_confirming_compile(topology, gb, monkeypatch):
+    """A model 40 MiB too low: the plan it picks misses when compiled at the budget's size; the
+    miss corrects the model, and the plan returned fits."""
+    chip = topology.devices[0]
+    search = importlib.import_module("jgraph.planner.search")
+    real = search.calibration
+
+    def optimistic(unplanned, target):
+        fitted = real(unplanned, target)
+        return dataclasses.replace(fitted, figure=fitted.figure - 40 * MIB)
+
+    monkeypatch.setattr(search, "calibration", optimistic)
+    budget = int(0.7 * jg.compiled_memory(gb, target=chip).hbm_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jg.BudgetWarning)
+        plan = jg.remat(gb, budget=budget, target=chip)
+    assert plan.info["remat"]["xla_temp"] <= budget
+    assert jg.compiled_memory(plan, target=chip).hbm_bytes <= budget
 
 
 def test_recompute_survives_tpus_compiler(topology, gb):

@@ -41,6 +41,7 @@ from jgraph.backward import backward, forward_of
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.ir import Graph, Var
 from jgraph.memory import peak_bytes
+from jgraph.memory.model import calibration
 from jgraph.planner import fast, hand, loops, on_graph, validate
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
@@ -161,7 +162,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
                          _peak(done), None, 0, 0.0, started)
     no_remat = xla_temp(plain) if reference is None else reference
     target = int(amount) if kind == "bytes" else int(amount * no_remat)
-    with validate.at_budget(target):  # on TPU: each graph compiled at the budget's size
+    def search():  # on the model's figures, or XLA's (`_confirmed`)
         report = {"planner": planner, "budget": target, "budget_given": budget,
                   "no_remat_temp": no_remat}
         finished = no_remat if done is plain and reference is None else xla_temp(done)
@@ -250,6 +251,49 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
             estimate = _peak(candidate)
         return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
                          len(tried) - 1, recompute_flops(candidate), started)
+
+    with validate.at_budget(target):  # on TPU: a graph compiled at the budget's size
+        return _confirmed(search, plain, target)
+
+
+def _confirmed(search, plain: Graph, target: int) -> Graph:
+    """`search()`'s plan. On TPU the search weighs its candidates on the model (`jgraph.memory
+    .model`: the compiler's buffer assignment to its first check, and the code of the unplanned
+    step `plain`), and only the plan it returns is compiled, at the budget's size: a miss
+    corrects the model's code by what that compile showed and plans once more; a second miss,
+    or no plan fitting the model, and every candidate is compiled as elsewhere."""
+    if current().platform != "tpu":
+        return search()
+    fitted = calibration(plain, current())
+    for _ in range(CONFIRMS):
+        try:
+            with warnings.catch_warnings(record=True) as said, validate.on_model(fitted):
+                warnings.simplefilter("always")
+                found = search()
+        except TransformError:  # nothing fits the model: the compiler decides
+            break
+        info = found.info["remat"]
+        if info.get("xla_temp") is None:  # all of no remat's, uncompiled
+            return _said(found, said)
+        predicted = info["xla_temp"]
+        if predicted > target:  # the model's least plan: the compiler decides
+            break
+        there = validate.xla_figures(found)
+        if there.fits:
+            return _said(found.replace(info={**found.info, "remat": {
+                **info, "xla_temp": there.hbm_bytes, "model_temp": predicted,
+                "confirmed": there.hbm_mode}}), said)
+        fitted = dataclasses.replace(fitted, figure=fitted.figure + there.hbm_bytes - predicted)
+    return search()
+
+
+def _said(graph: Graph, said: list) -> Graph:
+    for w in said:  # what the search said, once it stands
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return graph
+
+
+CONFIRMS = 2  # plans made on the model and compiled, before every candidate is compiled
 
 
 def _hand_arrangements(by_mode: dict) -> list[tuple[float, Plan, Graph]]:

@@ -98,9 +98,29 @@ def at_budget(budget_bytes: int | None):
         _LIMIT.reset(token)
 
 
+_MODEL: contextvars.ContextVar = contextvars.ContextVar("jgraph_model_in_force", default=None)
+
+
+@contextlib.contextmanager
+def on_model(fitted):
+    """`xla_temp` inside gives the model's prediction (`jgraph.memory.model.Calibration`), not
+    a compile's figure (None: compiles)."""
+    token = _MODEL.set(fitted)
+    try:
+        yield
+    finally:
+        _MODEL.reset(token)
+
+
 def xla_temp(graph: Graph) -> int:
     """The budget's figure (`jgraph.target`) of the compiled donated training step of `graph` on
-    the target in force: its temp on CPU, its HBM need on TPU, its peak on GPU."""
+    the target in force: its temp on CPU, its HBM need on TPU, its peak on GPU; predicted by the
+    model instead while one is in force (`on_model`)."""
+    fitted = _MODEL.get()
+    if fitted is not None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return fitted.predict(graph)
     return xla_figures(graph).budget_bytes
 
 
