@@ -147,10 +147,15 @@ def test_a_model_that_misses_is_corrected_by_its_confirming_compile(topology, gb
         return dataclasses.replace(fitted, figure=fitted.figure - 40 * MIB)
 
     monkeypatch.setattr(search, "calibration", optimistic)
+    compiled = []
+    figures = search.validate.xla_figures
+    monkeypatch.setattr(search.validate, "xla_figures",
+                        lambda graph: compiled.append(graph) or figures(graph))
     budget = int(0.7 * jg.compiled_memory(gb, target=chip).hbm_bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("error", jg.BudgetWarning)
         plan = jg.remat(gb, budget=budget, target=chip)
+    assert len(compiled) >= 2  # the first plan missed: the model was corrected, then confirmed
     assert plan.info["remat"]["xla_temp"] <= budget
     assert jg.compiled_memory(plan, target=chip).hbm_bytes <= budget
 
