@@ -108,8 +108,10 @@ def test_another_failure_is_raised_as_it_is():
 
 
 def test_a_step_over_the_chip_is_a_clear_error():
-    with pytest.raises(hbm.HBMError, match="does not fit the chip's HBM"):
-        hbm.smallest_size(StandIn(lambda n: 20_000 * MIB, lambda n: 0), {})
+    over = StandIn(lambda n: 20_000 * MIB, lambda n: 0)
+    for find in (hbm.smallest_size, hbm.at_chip):
+        with pytest.raises(jg.JGraphError, match="does not fit the chip's HBM: it needs 20000"):
+            find(over, {})
 
 
 # -- the figure cache ------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Regions whose backward reads recomputed copies of their outputs (`Region.outputs_recomputed`,
 JAX's remat semantics; what plans made for a TPU or a GPU use): the same values, bit for bit,
-and the kept outputs read by the forward alone."""
+and the kept outputs read by the forward and by matrix products alone (the next region's weight
+gradient reads its input, kept for that region's recompute anyway: a TPU stores it in the
+products' bfloat16)."""
 
 import dataclasses
 
@@ -58,8 +60,10 @@ def test_the_backward_reads_recomputed_outputs_and_the_values_are_the_same(fn):
     jg.check(jaxlike)
     kept_outputs = {v for e in gb.eqns if e.regions and "backward" not in e.tags
                     for v in e.outputs}
-    read_back = {a for e in jaxlike.eqns if "backward" in e.tags for a in e.inputs}
-    # the backward reads no value a checkpointed region computed in the forward
+    read_back = {a for e in jaxlike.eqns if "backward" in e.tags and e.op != "dot_general"
+                 for a in e.inputs}
+    # the backward reads no value a checkpointed region computed in the forward, but as the
+    # operand of a matrix product
     assert not (kept_outputs & read_back)
     more = sum("recompute" in e.tags for e in jaxlike.eqns) - sum(
         "recompute" in e.tags for e in plain.eqns)

@@ -42,7 +42,7 @@ from jgraph.check import validate
 from jgraph.interpreter import flatten_args
 from jgraph.ir import Graph
 from jgraph.lower import Lowering
-from jgraph.memory.hbm import MIB, at_size, smallest_size
+from jgraph.memory.hbm import MIB, at_chip, at_size, smallest_size
 from jgraph.memory.step import STATE_ROLES, sgd_plan
 from jgraph.target import Target, resolve
 
@@ -163,7 +163,7 @@ def _measured(target: Target, lowered, options: dict, mode: str) -> CompiledMemo
         size, first = smallest_size(lowered, options)
         compiled, hbm = first.compiled, size * MIB
     elif mode == "estimate":
-        first = at_size(lowered, options)  # the size is set in whole MiB: rounded up
+        first = at_chip(lowered, options)  # the size is set in whole MiB: rounded up
         compiled, hbm = first.compiled, -(-first.hbm_used // MIB) * MIB
     else:
         compiled = lowered.compile(compiler_options=options)

@@ -28,6 +28,8 @@ import re
 import tempfile
 from dataclasses import dataclass
 
+from jgraph.errors import JGraphError
+
 MIB = 2**20
 _REPORT = re.compile(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)")
 _USED = re.compile(r"Used ([\d.]+)([KMG]?) of [\d.]+[KMG]? hbm")
@@ -35,8 +37,9 @@ _TEMPORARIES = re.compile(r"HLO temporaries \(([\d.]+)([KMG]?)\) exceeds availab
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
-class HBMError(RuntimeError):
-    """The TPU compiler's output did not say what jgraph reads from it (another libtpu)."""
+class HBMError(JGraphError, RuntimeError):
+    """A step that does not fit the chip at all, or a TPU compiler whose output does not say what
+    jgraph reads from it (another libtpu)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,20 @@ def at_size(lowered, options: dict, size_mib: int | None = None) -> AtSize:
     return AtSize(size_mib, True, buffers + code, compiled)
 
 
+def at_chip(lowered, options: dict) -> AtSize:
+    """The compile at the chip's own HBM size; a clear error when the step does not fit it."""
+    first = at_size(lowered, options)
+    if not first.fits:
+        raise HBMError(f"jgraph: the step does not fit the chip's HBM: it needs "
+                       f"{first.hbm_used / MIB:.2f} MiB (plan it under a budget: jg.remat(graph, "
+                       "budget=..., target=...))")
+    return first
+
+
 def smallest_size(lowered, options: dict) -> tuple[int, AtSize]:
     """(the smallest HBM size in MiB at which `lowered` compiles, the compile at the chip's own
     size). Module docstring: both ends are compiled, the size found and one MiB below it."""
-    first = at_size(lowered, options)
-    if not first.fits:
-        raise HBMError(f"the step does not fit the chip's HBM: it needs "
-                       f"{first.hbm_used / MIB:.2f} MiB")
+    first = at_chip(lowered, options)
     lo, hi = 0, None  # the largest size seen failing (0: nothing fits no HBM), smallest fitting
     got, compiles = first, 0
     while hi is None or lo + 1 < hi:
