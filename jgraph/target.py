@@ -60,8 +60,8 @@ FIGURES = {"cpu": "temp_size_in_bytes", "tpu": "hbm_bytes"}
 # unchanged (`tests/test_planner.py::test_the_measured_temp_is_the_default_compiles`).
 MEASURE_OPTIONS = {
     "cpu": {"xla_backend_optimization_level": 0},
-    # the compiler's own rematerialization off, and nothing else: scheduling options that leave
-    # the figures at the chip's size alone change them under a tight HBM size
+    # the compiler's own rematerialization off, and nothing else: scheduling options seen to
+    # leave the figures alone at the chip's size are not known to under a tight HBM size
     "tpu": {"xla_tpu_rematerialization_min_size_in_bytes": 2**40},
 }
 
