@@ -78,6 +78,11 @@ def _avals(tree):
 
 def jax_figure(fn, args, kind: str, target) -> int:
     """The budget's figure of JAX's donated step of `fn` compiled for `target`."""
+    return read_figures((target, jax_lowered(fn, args, kind, target))).budget_bytes
+
+
+def jax_lowered(fn, args, kind: str, target):
+    """JAX's donated step of `fn` ("sgd" or "adam", `cases`) lowered for `target`."""
     params, rest = args
     if kind == "adam":
         tx = optax.adam(1e-3)
@@ -102,8 +107,7 @@ def jax_figure(fn, args, kind: str, target) -> int:
     donate = tuple(range(len(state_args)))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        lowered = jax.jit(step, donate_argnums=donate).lower(*placed, rest)
-        return read_figures((target, lowered)).budget_bytes
+        return jax.jit(step, donate_argnums=donate).lower(*placed, rest)
 
 
 def jgraph_graph(fn, args, kind: str):

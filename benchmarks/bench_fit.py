@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from benchmarks.bench_accelerators import jax_lowered
 from benchmarks.bench_max_batch import model as max_batch_model
 from jgraph.memory import hbm
 from jgraph.target import resolve
@@ -32,7 +31,8 @@ REFERENCE = {("mlp", 4096, False): 98, ("mlp", 4096, True): 55, ("mlp", 16384, F
              ("tlm", 64, False): 2294, ("tlm", 64, True): 354}
 
 
-def mlp_step(batch: int, remat: bool, target, d: int = 1024, layers: int = 8):
+def mlp_loss(remat: bool):
+    """The 8-layer `tanh(h @ w)` MLP's loss; with `remat`, `jax.checkpoint` per layer."""
     def layer(h, w):
         return jnp.tanh(h @ w)
 
@@ -42,32 +42,19 @@ def mlp_step(batch: int, remat: bool, target, d: int = 1024, layers: int = 8):
             h = (jax.checkpoint(layer) if remat else layer)(h, w)
         return jnp.mean(h**2)
 
-    def step(ws, x):
-        value, grads = jax.value_and_grad(loss)(ws, x)
-        return [w - 1e-3 * g for w, g in zip(ws, grads, strict=True)], value
-
-    sharding = target.sharding(None, True)
-    ws = [jax.ShapeDtypeStruct((d, d), jnp.float32, sharding=sharding) for _ in range(layers)]
-    x = jax.ShapeDtypeStruct((batch, d), jnp.float32, sharding=sharding)
-    return jax.jit(step, donate_argnums=0).lower(ws, x)
+    return loss
 
 
-def lm_step(batch: int, remat: bool, target):
+def step(kind: str, batch: int, remat: bool, target):
+    """JAX's donated step of the case, lowered for `target` (`bench_accelerators.jax_lowered`)."""
+    if kind == "mlp":
+        ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
+        args = (ws, jax.ShapeDtypeStruct((batch, 1024), jnp.float32))
+        return jax_lowered(mlp_loss(remat), args, "sgd", target)
     plain, params, hand, _ = max_batch_model("scanlm-4096")
     fn = hand["scan(checkpoint(body, nothing_saveable))"] if remat else plain
-    tx = optax.adam(1e-3)
-
-    def step(params, state, tokens):
-        value, grads = jax.value_and_grad(fn)(params, tokens)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, value
-
-    sharding = target.sharding(None, True)
-    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
-    params = jax.tree.map(place, jax.eval_shape(lambda p: p, params))
-    state = jax.tree.map(place, jax.eval_shape(tx.init, params))
-    tokens = jax.ShapeDtypeStruct((batch, 128), jnp.int32, sharding=sharding)
-    return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens)
+    args = (jax.eval_shape(lambda p: p, params), jax.ShapeDtypeStruct((batch, 128), jnp.int32))
+    return jax_lowered(fn, args, "adam", target)
 
 
 def main(quick: bool = False):
@@ -92,9 +79,7 @@ def main(quick: bool = False):
     for (kind, batch, remat), reference in REFERENCE.items():
         if quick and batch not in (4096, 16):
             continue
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            lowered = (mlp_step if kind == "mlp" else lm_step)(batch, remat, target)
+        lowered = step(kind, batch, remat, target)
         compiles.clear()
         size, first = hbm.smallest_size(lowered, options)
         estimate = -(-first.hbm_used // MIB)

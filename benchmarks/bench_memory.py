@@ -222,15 +222,8 @@ def rows(quick: bool = False) -> list[dict]:
 # -- the model against a target's figure ---------------------------------------------------------
 def _tpu_models(quick: bool):
     """{name: (fn, args, {arrangement: fn})} of steps whose activations exceed a v5e's VMEM."""
+    from benchmarks.bench_fit import mlp_loss as mlp
     from benchmarks.bench_max_batch import model as max_batch_model
-
-    def mlp(remat):
-        def loss(ws, x):
-            for w in ws:
-                layer = lambda h, w: jnp.tanh(h @ w)  # noqa: E731
-                x = (jax.checkpoint(layer) if remat else layer)(x, w)
-            return jnp.mean(x**2)
-        return loss
 
     ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
     found = {}

@@ -135,23 +135,25 @@ def read_figures(lowered, exact: bool = True, hbm_limit: int | None = None) -> C
     compile at that size (rounded down to MiB) used or needed."""
     target, lowered = lowered
     options = target.compile_options
-    mode = ""
-    if target.figure == "hbm_bytes":
-        mode = (f"at {max(1, int(hbm_limit // MIB))} MiB" if hbm_limit is not None
-                else "exact" if exact else "estimate")
+    mode, size = "", None
+    if target.figure == "hbm_bytes" and hbm_limit is not None:
+        size = max(1, int(hbm_limit // MIB))
+        mode = f"at {size} MiB"
+    elif target.figure == "hbm_bytes":
+        mode = "exact" if exact else "estimate"
     key = _cache_key(target, options, lowered, mode)
     found = _CACHE.get(key) or _from_disk(key)
     if found is None:
-        found = _measured(target, lowered, options, mode)
+        found = _measured(target, lowered, options, mode, size)
         _to_disk(key, found)
     _CACHE[key] = found
     return found
 
 
-def _measured(target: Target, lowered, options: dict, mode: str) -> CompiledMemory:
+def _measured(target: Target, lowered, options: dict, mode: str,
+              size: int | None) -> CompiledMemory:
     hbm = 0
-    if mode.startswith("at "):
-        size = int(mode.split()[1])
+    if size is not None:
         got = at_size(lowered, options, size)
         if not got.fits:  # what it needed is all the failure says
             return CompiledMemory(temp_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0,

@@ -41,13 +41,14 @@ class Calibration:
     figure: int  # the unplanned step's fit figure, compiled (exact on TPU)
     modelled: int  # the model's own figure of the unplanned step (before calibration)
 
-    def predict(self, graph: Graph) -> int:
-        """The fit figure of `graph` (a plan of the unplanned graph) on the target."""
+    def predict(self, graph: Graph, simulated: int | None = None) -> int:
+        """The fit figure of `graph` (a plan of the unplanned graph) on the target;
+        `simulated`: the simulator's figure of it, when the caller has it (CPU)."""
         if self.target.platform == "tpu":
             return _tpu_buffers(graph, self.target) + (self.figure - self.modelled)
-        if not self.modelled:
-            return estimate(graph).placement.peak
-        return round(estimate(graph).placement.peak * self.figure / self.modelled)
+        if simulated is None:
+            simulated = estimate(graph).placement.peak
+        return round(simulated * self.figure / self.modelled) if self.modelled else simulated
 
     @property
     def describe(self) -> str:
@@ -81,8 +82,7 @@ def calibration(unplanned: Graph, target: Target) -> Calibration:
 
 
 def _tpu_buffers(graph: Graph, target: Target) -> int:
-    figures = read_figures(lowered_step(graph, target), hbm_limit=PROBE)
-    return figures.hbm_bytes if not figures.fits else min(figures.hbm_bytes, PROBE)
+    return read_figures(lowered_step(graph, target), hbm_limit=PROBE).hbm_bytes
 
 
 def unplanned_of(graph: Graph, unplanned: Graph | None) -> Graph:
