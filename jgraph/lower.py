@@ -332,7 +332,13 @@ class Lowering(Interpreter):
     and short-lived: they die within their group (the backward keeps reading the original).
     """
 
+    scoped = False  # each of the graph's own eqns lowered under the name scope `e<index>`
+
+    def __init__(self, scoped: bool = False):
+        self.scoped = scoped
+
     def run(self, graph: Graph, *args):
+        self.index = {e: i for i, e in enumerate(graph.eqns)} if self.scoped else {}
         self.plan, self.anchors = protection_plan(graph)
         self.anchor_set = {v for v in self.anchors if v is not None}
         self.anchor_values, self.preds, self.tainted = {}, {}, {}
@@ -354,7 +360,11 @@ class Lowering(Interpreter):
                       for a, x in zip(eqn.inputs, values, strict=True)]
             if k is not None:
                 values[k] = self._taint(group, eqn.inputs[k], values[k])
-        outs = super().eval_eqn(eqn, values)
+        if eqn in self.index:  # XLA's metadata names the eqn each instruction comes from
+            with jax.named_scope(f"e{self.index[eqn]}"):
+                outs = super().eval_eqn(eqn, values)
+        else:
+            outs = super().eval_eqn(eqn, values)
         if eqn.outputs and eqn.outputs[0] in self.cuts:
             outs = [_materialise(outs[0])]
         for v, x in zip(eqn.outputs, outs, strict=True):

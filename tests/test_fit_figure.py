@@ -152,4 +152,4 @@ def test_a_damaged_cache_file_is_measured_again(tmp_path, monkeypatch):
     path.write_text("{not json")
     monkeypatch.setattr(compiled_module, "_CACHE", {})
     assert jg.compiled_memory(gb) == first
-    assert compiled_module.CompiledMemory(**json.loads(path.read_text())) == first
+    assert compiled_module.CompiledMemory.from_json(json.loads(path.read_text())) == first

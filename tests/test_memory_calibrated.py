@@ -10,6 +10,7 @@ import pytest
 import jgraph as jg
 from jgraph.errors import JGraphError
 from jgraph.memory import compiled as compiled_module
+from jgraph.memory import fusions
 
 F32 = jnp.float32
 
@@ -92,3 +93,65 @@ def test_an_unplanned_graph_of_other_inputs_is_refused():
         jg.memory(plain, target="cpu", unplanned=other)
     # without a target the report is the simulator's, uncalibrated, and says so
     assert jg.memory(plain).model == "XLA:CPU simulated"
+
+
+# -- the fusions one compile shows (jgraph.memory.fusions) -----------------------------------------
+def gated(remat):
+    """A gated residual MLP whose blocks all read the input: XLA:CPU writes the gate's product
+    and the residual sum to buffers where jgraph's fusion rules alone would fuse them."""
+    def block(h, x0, p):
+        z = h + 0.5 * x0
+        return h + (jax.nn.silu(z @ p["g"]) * (z @ p["u"])) @ p["o"]
+
+    def loss(ps, x):
+        h = x
+        for p in ps:
+            h = (jax.checkpoint(block) if remat else block)(h, x, p)
+        return jnp.mean(jnp.square(h))
+    return loss
+
+
+def _gated_args(blocks=6, d=128, hidden=384, batch=96):
+    rng = np.random.default_rng(7)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), F32)  # noqa: E731
+    ps = [{"g": w(d, hidden), "u": w(d, hidden), "o": w(hidden, d)} for _ in range(blocks)]
+    return ps, jnp.asarray(rng.standard_normal((batch, d)), F32)
+
+
+def test_the_compile_names_the_eqns_it_gave_buffers():
+    ps, x = _gated_args(blocks=2)
+    plain = jg.backward(jg.trace(gated(False), ps, x, param_argnums=0))
+    figures = jg.compiled_memory(plain)
+    written, fused = set(figures.materialised), set(figures.fused)
+    assert written and fused and not written & fused
+    ops = [e.op for e in plain.eqns]
+    assert all(0 <= i < len(ops) for i in written | fused)
+    # the matrix products write buffers; the loss's square is computed inside its reduction
+    assert {ops[i] for i in written} >= {"dot_general"}
+    assert "square" in {ops[i] for i in fused}
+
+
+def test_a_value_is_named_alike_in_its_plans_and_its_recomputed_copies():
+    ps, x = _gated_args(blocks=2)
+    plain = jg.backward(jg.trace(gated(False), ps, x, param_argnums=0))
+    plan = jg.remat(jg.backward(jg.trace(gated(True), ps, x, param_argnums=0)))
+    named, in_plan = fusions.numbers(plain), fusions.numbers(plan)
+    forward = {named[v] for e in plain.eqns if not e.tags for v in e.outputs}
+    recomputed = [in_plan[v] for e in plan.eqns if "recompute" in e.tags for v in e.outputs]
+    assert recomputed and all(n in forward for n in recomputed)
+    assert {in_plan[v] for e in plan.eqns if not e.tags for v in e.outputs} == forward
+    # different computations are named differently: each matrix product reads its own weight
+    dots = [named[e.outputs[0]] for e in plain.eqns if e.op == "dot_general"]
+    assert len(dots) > 6 and len(set(dots)) == len(dots)
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_plans_of_a_gated_mlp_are_predicted_within_ten_percent(policy):
+    ps, x = _gated_args()
+    plain = jg.backward(jg.trace(gated(False), ps, x, param_argnums=0))
+    if policy is None:
+        plan = jg.remat(jg.backward(jg.trace(gated(True), ps, x, param_argnums=0)))
+    else:
+        plan = jg.remat(plain, policy=getattr(jg.policies, policy))
+    predicted = jg.memory(plan, target="cpu", unplanned=plain).peak_bytes
+    assert abs(predicted / jg.compiled_memory(plan).temp_bytes - 1) <= 0.10

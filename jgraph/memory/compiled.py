@@ -42,6 +42,7 @@ from jgraph.check import validate
 from jgraph.interpreter import flatten_args
 from jgraph.ir import Graph
 from jgraph.lower import Lowering
+from jgraph.memory import fusions
 from jgraph.memory.hbm import MIB, at_chip, at_size, smallest_size
 from jgraph.memory.step import STATE_ROLES, sgd_plan
 from jgraph.target import Target, resolve
@@ -60,6 +61,16 @@ class CompiledMemory:
     hbm_bytes: int = 0  # TPU: the HBM the step needs, found as `hbm_mode` says (0: elsewhere)
     hbm_mode: str = ""  # "exact", "estimate" or "at N MiB" (module docstring; "": not TPU)
     fits: bool = True  # compiled at "N MiB": whether it fit (else only `hbm_bytes` is known)
+    # The graph's eqns (by index) whose value XLA wrote to a buffer of its own, and those it
+    # computed only inside the fusions reading them (`jgraph.memory.fusions`).
+    materialised: tuple[int, ...] = ()
+    fused: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_json(found: dict) -> CompiledMemory:
+        """The figures `dataclasses.asdict` wrote as JSON (lists back to tuples)."""
+        return CompiledMemory(**{k: tuple(v) if isinstance(v, list) else v
+                                 for k, v in found.items()})
 
     @property
     def budget_bytes(self) -> int:
@@ -87,7 +98,7 @@ def donated_step(graph: Graph, learning_rate: float = 1e-3):
     `state` donated; `split(*args)` turns the graph's call arguments into `(state, rest)`."""
     is_state, sgd, grad_params = sgd_plan(graph)
     grads = [k for k, r in enumerate(graph.output_roles) if r == "grad"]
-    lowering = Lowering()
+    lowering = Lowering(scoped=True)
 
     def step(state, rest):
         state, rest = iter(state), iter(rest)
@@ -175,14 +186,18 @@ def _measured(target: Target, lowered, options: dict, mode: str,
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     if target.platform == "cpu" or peak == 0:  # XLA:CPU's peak counts the arguments alone
         peak = arguments + outputs - aliased + temp
+    hlo = compiled.as_text()
+    materialised, fused = fusions.read(hlo)
     return CompiledMemory(temp_bytes=temp, argument_bytes=arguments, output_bytes=outputs,
-                          alias_bytes=aliased, dots=_dots(compiled.as_text(), target),
+                          alias_bytes=aliased, dots=_dots(hlo, target),
                           peak_bytes=peak, platform=target.platform, figure=target.figure,
-                          hbm_bytes=int(hbm), hbm_mode=mode)
+                          hbm_bytes=int(hbm), hbm_mode=mode, materialised=materialised,
+                          fused=fused)
 
 
 # -- the figure cache ------------------------------------------------------------------------------
 _CACHE: dict[str, CompiledMemory] = {}
+FORMAT = 2  # of what a cached entry holds
 
 
 def _versions() -> tuple:
@@ -196,7 +211,7 @@ def _versions() -> tuple:
 
 
 def _cache_key(target: Target, options: dict, lowered, mode: str) -> str:
-    what = repr((target.key, sorted(options.items()), mode, _versions()))
+    what = repr((target.key, sorted(options.items()), mode, _versions(), FORMAT))
     digest = hashlib.sha256(what.encode())
     digest.update(lowered.as_text().encode())
     return digest.hexdigest()
@@ -207,7 +222,7 @@ def _from_disk(key: str) -> CompiledMemory | None:
         return None
     try:
         with open(os.path.join(config.figure_cache_dir, f"{key}.json")) as f:
-            return CompiledMemory(**json.load(f))
+            return CompiledMemory.from_json(json.load(f))
     except (OSError, ValueError, TypeError):  # absent, or written by another version: measure
         return None
 

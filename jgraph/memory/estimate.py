@@ -29,14 +29,15 @@ class Estimate:
     placement: Placement
 
 
-def estimate(graph: Graph) -> Estimate:
+def estimate(graph: Graph, decided: dict | None = None) -> Estimate:
+    """`decided`: XLA's fusion decisions on the graph's values (`jgraph.memory.fusions`)."""
     # Kernels and values refer to each other: a large graph's estimate makes hundreds of
     # thousands of young objects in cycles, which would make Python's cyclic collector sweep the
     # whole heap again and again while it runs. It is paused; one young collection frees them.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run(step_program(graph, _Workspace()))
+        return _run(step_program(graph, _Workspace(), decided))
     finally:
         if enabled:
             gc.enable()

@@ -5,9 +5,11 @@ without its checkpoint regions, the graph a plan is made from): its fit figure, 
 (`compiled.read_figures`), beside the model's own figure of it. A plan of that graph is then
 predicted without a full compile:
 - CPU: jgraph's simulator of XLA:CPU (`estimate`: fusion, schedule and buffer assignment
-  replayed on the graph), scaled by the unplanned step's compiled temp over its simulated one:
-  what XLA:CPU allocates beyond the simulator on a graph (layout copies, buffers it does not
-  share) grows with what the graph keeps.
+  replayed on the graph), following the fusion decisions the compile showed for each value the
+  plan shares with the unplanned step (`jgraph.memory.fusions`: which values XLA wrote to a
+  buffer, which it fused into their readers), and scaled by the unplanned step's compiled temp
+  over its simulated one: what XLA:CPU allocates beyond the simulator on a graph (layout
+  copies, buffers it does not share) grows with what the graph keeps.
 - TPU: the compiler's own buffer assignment, run only to its first HBM check: a compile at an
   HBM size of 1 MiB fails there, in 0.1-0.8 s where a full compile takes 5-25 s, naming the
   bytes of the HBM buffers (arguments, outputs, temps; `hbm.at_size`); plus the program's code,
@@ -20,13 +22,15 @@ predicted without a full compile:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
 from jgraph.errors import JGraphError
 from jgraph.ir import Graph
 from jgraph.memory.compiled import lowered_step, read_figures
-from jgraph.memory.estimate import estimate
+from jgraph.memory.estimate import Estimate, estimate
+from jgraph.memory.fusions import Fusions
 from jgraph.memory.hbm import MIB
 from jgraph.target import Target, TargetError
 
@@ -40,14 +44,19 @@ class Calibration:
     target: Target
     figure: int  # the unplanned step's fit figure, compiled (exact on TPU)
     modelled: int  # the model's own figure of the unplanned step (before calibration)
+    fusions: Fusions | None = None  # XLA:CPU's fusion decisions on the unplanned step
+
+    def simulate(self, graph: Graph) -> Estimate:
+        """The simulator's run of `graph`, following the fusions the compile showed (CPU)."""
+        return estimate(graph, self.fusions.on(graph) if self.fusions else None)
 
     def predict(self, graph: Graph, simulated: int | None = None) -> int:
         """The fit figure of `graph` (a plan of the unplanned graph) on the target;
-        `simulated`: the simulator's figure of it, when the caller has it (CPU)."""
+        `simulated`: `simulate(graph)`'s figure, when the caller has it (CPU)."""
         if self.target.platform == "tpu":
             return _tpu_buffers(graph, self.target) + (self.figure - self.modelled)
         if simulated is None:
-            simulated = estimate(graph).placement.peak
+            simulated = self.simulate(graph).placement.peak
         return round(simulated * self.figure / self.modelled) if self.modelled else simulated
 
     @property
@@ -72,12 +81,15 @@ def calibration(unplanned: Graph, target: Target) -> Calibration:
             "*args_or_avals, target=...)")
     known = _CALIBRATIONS.setdefault(unplanned, {})
     if target.key not in known:
-        figure = read_figures(lowered_step(unplanned, target)).budget_bytes
+        compiled = read_figures(lowered_step(unplanned, target))
         if target.platform == "tpu":
-            modelled = _tpu_buffers(unplanned, target)
+            known[target.key] = Calibration(target, compiled.budget_bytes,
+                                            _tpu_buffers(unplanned, target))
         else:
-            modelled = estimate(unplanned).placement.peak
-        known[target.key] = Calibration(target, figure, modelled)
+            fitted = Calibration(target, compiled.budget_bytes, 0, Fusions.of(
+                unplanned, compiled.materialised, compiled.fused))
+            known[target.key] = dataclasses.replace(
+                fitted, modelled=fitted.simulate(unplanned).placement.peak)
     return known[target.key]
 
 

@@ -38,6 +38,7 @@ from jgraph.opkinds import aligned
 FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
 GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers
 LOOP = frozenset({"cheap", "expensive", "reduce"})  # loop fusions
+TRUST_FUSED = True
 
 
 class Value:
@@ -127,18 +128,18 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
     tainted: dict[tuple[int, Var], Var] = {}
     cuts = fusion_cuts(graph)
     for eqn in graph.eqns:
-        if _folded(ops, eqn):  # XLA folds constants: a constant is not a temp
+        inputs = eqn.inputs
+        if eqn in plan:  # before anything else: a bitcast's taint is its readers' too
+            inputs = _taint(ops, eqn, plan[eqn], anchors, tainted)
+        if _folded(ops, eqn, inputs):  # XLA folds constants: a constant is not a temp
             for out in eqn.outputs:
                 ops.alias[out] = Literal(None, out.aval)
             continue
         src = opkinds.aliases(eqn)
         if src is not None:
             for out, k in zip(eqn.outputs, src, strict=True):
-                ops.alias[out] = eqn.inputs[k]
+                ops.alias[out] = inputs[k]
             continue
-        inputs = eqn.inputs
-        if eqn in plan:
-            inputs = _taint(ops, eqn, plan[eqn], anchors, tainted)
         if _common(ops, eqn, inputs):
             continue
         if eqn.op == "split":
@@ -204,10 +205,10 @@ COPIES = {"dot_general": opkinds.dot_operand_copies,
           "conv_general_dilated": opkinds.conv_operand_copies}
 
 
-def _folded(ops: Ops, eqn: Eqn) -> bool:
+def _folded(ops: Ops, eqn: Eqn, inputs) -> bool:
     if eqn.op in ("iota", "broadcast_in_dim") or opkinds.kind(eqn) in ("rng", "loop", "opaque"):
         return False
-    return all(isinstance(ops.root(a), Literal) for a in eqn.inputs)
+    return all(isinstance(ops.root(a), Literal) for a in inputs)
 
 
 def _emit(ops: Ops, eqn: Eqn, origin: Eqn) -> None:
@@ -231,17 +232,21 @@ def _operand_copy(ops: Ops, a: Var, dot: Eqn) -> Var:
     return out
 
 
-def kernels(eqns: list[Eqn], root, external: set[Var], workspace) -> list[Kernel]:
+def kernels(eqns: list[Eqn], root, external: set[Var], workspace,
+            decided: dict | None = None) -> list[Kernel]:
     """Replay XLA:CPU's fusion on `eqns` (schedule order; `root(var)` resolves bitcasts, as
     `Ops.root`). `external`: values
     read outside these eqns (results, the step's updates), which are materialised. `workspace(eqn)`
-    gives an op's own temp bytes (a loop's body). Kernels come back in schedule order, each with
-    its `eqns`; their `reads`/`writes` are filled in by `connect`."""
+    gives an op's own temp bytes (a loop's body). `decided`: what XLA did with a value where one
+    compile showed it (`jgraph.memory.fusions`: True, a buffer; False, fused into its readers);
+    those decisions stand over the rules. Kernels come back in schedule order, each with its
+    `eqns`; their `reads`/`writes` are filled in by `connect`."""
     index = {e: i for i, e in enumerate(eqns)}
     outputs = {v: e for e in eqns for v in e.outputs}
     producer = {a: outputs[root(a)] for e in eqns for a in e.inputs
                 if isinstance(a, Var) and root(a) in outputs}
     kinds = {e: opkinds.kind(e) for e in eqns}
+    verdict = _verdicts(decided or {}, producer, kinds)
     readers: dict[Var, list[Eqn]] = {}
     for e in eqns:
         for a in dict.fromkeys(root(a) for a in e.inputs):
@@ -252,14 +257,14 @@ def kernels(eqns: list[Eqn], root, external: set[Var], workspace) -> list[Kernel
     found: list[Kernel] = []
     for eqn in reversed(eqns):
         materialised = eqn in needed or kinds[eqn] not in FUSIBLE or len(eqn.outputs) != 1 \
-            or any(v in external for v in eqn.outputs)
+            or any(v in external for v in eqn.outputs) or verdict(eqn) is True
         if not materialised:
             continue  # fused into every reader, or read by none (XLA removes it)
         kernel = Kernel(eqn, role_of(eqn))
         kernel.order = index[eqn]
         kernel.workspace = workspace(eqn)
         if kinds[eqn] in GROWS:
-            _grow(kernel, producer, kinds, readers, unfused, needed, index, external)
+            _grow(kernel, producer, kinds, readers, unfused, needed, index, external, verdict)
         else:
             for a in eqn.inputs:
                 p = producer.get(a)
@@ -276,7 +281,30 @@ def kernels(eqns: list[Eqn], root, external: set[Var], workspace) -> list[Kernel
     return found
 
 
-def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) -> None:
+def _verdicts(decided: dict, producer: dict, kinds: dict):
+    """`verdict(eqn)`: XLA's decision on the eqn's value (None: not known). A value XLA may have
+    written from an instruction that also computes an operand the rules keep apart (a dot with
+    the transpose of its result folded into its layout, a library fusion ending in an
+    elementwise op) is left to the rules: the simulator has no such kernel."""
+    if not decided:
+        return lambda eqn: None
+    known: dict = {}
+
+    def verdict(eqn):
+        if eqn not in known:
+            found = decided.get(eqn.outputs[0]) if len(eqn.outputs) == 1 else None
+            if found is True and (eqn.op == "transpose" or any(
+                    p is not None and kinds[p] not in FUSIBLE
+                    and decided.get(p.outputs[0]) is False
+                    for p in (producer.get(a) for a in eqn.inputs))):
+                found = None
+            known[eqn] = found
+        return known[eqn]
+    return verdict
+
+
+def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
+          verdict=lambda eqn: None) -> None:
     """Fuse producers into `kernel`, latest first, while XLA would."""
     members = {kernel.root}
     reused = {kernel.root: False}  # members whose elements the kernel reads more than once
@@ -309,8 +337,10 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external) ->
         outside = out is not None and (out in external or p in needed or any(
             r not in members or r in copied for r in unfused[out]))  # fusing p copies it
         library = kinds[kernel.root] == "library"
-        if out is not None and _fusible(p, kinds, readers, outside, reuse, external, broadcast,
-                                        library):
+        said = verdict(p)
+        if out is not None and said is not True and (
+                (said is False and TRUST_FUSED and kinds[p] in FUSIBLE and not library)
+                or _fusible(p, kinds, readers, outside, reuse, external, broadcast, library)):
             members.add(p)
             reused[p] = reuse
             if outside:

@@ -106,11 +106,13 @@ def memory(graph: Graph, *, target=None, unplanned: Graph | None = None) -> Memo
     recorded, else the graph itself; `jgraph.memory.model`). The schedule, timeline and
     residuals are the simulator's either way."""
     validate(graph, "jg.memory")
-    est = estimate(graph)
     predicted = model = None
     if target is not None:
         fitted = calibration(unplanned_of(graph, unplanned), resolve(target))
+        est = fitted.simulate(graph)
         predicted, model = fitted.predict(graph, est.placement.peak), fitted.describe
+    else:
+        est = estimate(graph)
     order, place, origin = est.order, est.placement, est.program.origin
     index = {e: i for i, e in enumerate(graph.eqns)}
 

@@ -47,8 +47,10 @@ def sgd_plan(graph: Graph):
     return is_state, sgd, grad_params
 
 
-def step_program(graph: Graph, workspace) -> Program:
-    """The donated step of `graph` (as `jgraph.memory.compiled.donated_step` builds it)."""
+def step_program(graph: Graph, workspace, decided: dict | None = None) -> Program:
+    """The donated step of `graph` (as `jgraph.memory.compiled.donated_step` builds it);
+    `decided`: XLA's fusion decisions on the graph's values, where one compile showed them
+    (`jgraph.memory.fusions`)."""
     is_state, sgd, grad_params = sgd_plan(graph)
     ops = flatten(graph)
     roles = {}
@@ -81,7 +83,8 @@ def step_program(graph: Graph, workspace) -> Program:
         return "output" if var in live_out else "temp"
 
     live_out = {a for a in results if isinstance(a, Var)}
-    return _program(ops, inputs, results, written, kind_of, roles, workspace, reusable=True)
+    return _program(ops, inputs, results, written, kind_of, roles, workspace, reusable=True,
+                    decided=decided)
 
 
 def _jax_aliases(donated: list[Var], results: list) -> dict:
@@ -97,9 +100,10 @@ def _jax_aliases(donated: list[Var], results: list) -> dict:
     return alias
 
 
-def _program(ops, inputs, results, written, kind_of, roles, workspace, reusable) -> Program:
+def _program(ops, inputs, results, written, kind_of, roles, workspace, reusable,
+             decided=None) -> Program:
     external = {a for a in results if isinstance(a, Var)}
-    found = kernels(ops.eqns, ops.root, external, workspace)
+    found = kernels(ops.eqns, ops.root, external, workspace, decided or {})
     for k in found:
         k.role = roles.get(k.root, k.role)
     values = dict(inputs)
