@@ -13,8 +13,9 @@ issue's bar: every ratio within [0.75, 1.25].
 
 With `--target cpu|tpu`: the model of `jgraph.memory.model` against the target's own fit figure
 (temp on CPU; on TPU the HBM need, exact), per model and plan: every hand-written arrangement
-of `bench_planner`'s models and the scanned LM (traced as checkpoint regions, `jg.remat`), and
-on CPU the planner's plans at 75 / 50 / 25 %; each predicted from the one calibration compile
+of `bench_planner`'s models and the scanned LM (traced as checkpoint regions, `jg.remat`), two
+graphs no rule was written against, the real-model suite of the tests (flax, haiku, equinox, with
+their own `remat` as written), and on CPU the planner's plans at 75 / 50 / 25 %; each predicted from the one calibration compile
 of its unplanned step. On TPU (ahead of time, `pip install 'jgraph[tpu]'`, JAX_PLATFORMS=cpu),
 models whose activations exceed the VMEM: the 8-layer MLP of `reference/tpu-figures.md` (d 1024,
 batch 4096 and 16384) and the scanned LM at vocab 4096 (batch 16 and 64). The issue's bar: every
@@ -295,6 +296,18 @@ def _unseen_models():
     }
 
 
+def _real_models():
+    """The real-model suite of the tests (`tests/real_models.py`: flax, haiku, equinox), each as
+    its library writes it (its own `remat` regions included)."""
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import real_models
+
+    return {f"real {m.name}": (m.built[0], m.built[1], {"has_aux": m.has_aux})
+            for m in real_models.MODELS}
+
+
 def target_rows(platform: str, quick: bool = False):
     """(model, plan, predicted, compiled) per model and plan on the target."""
     from benchmarks.bench_planner import models as planner_models
@@ -309,12 +322,16 @@ def target_rows(platform: str, quick: bool = False):
         budgets = ("50%",)
     else:
         target, budgets = resolve(platform), ("75%", "50%", "25%")
-        found = {**planner_models(), **_unseen_models()}
+        found = {**planner_models(), **_unseen_models(), **_real_models()}
         if quick:
             found = {k: found[k] for k in ("chain32", "transformer6", "scan64")}
     for name, (fn, args, hand) in found.items():
-        plain = jg.backward(jg.trace(fn, *args, param_argnums=0))
+        has_aux = hand.pop("has_aux", False) if "has_aux" in hand else False
+        traced = jg.backward(jg.trace(fn, *args, param_argnums=0, has_aux=has_aux))
+        plain = jg.remat(traced).info["unplanned"] if traced.regions else traced
         plans = {"no remat": plain}
+        if traced.regions:
+            plans["as written"] = jg.remat(traced)
         for arrangement, f in hand.items():
             if arrangement == "policies":
                 for policy in f:
