@@ -17,9 +17,9 @@ of `bench_planner`'s models and the scanned LM (traced as checkpoint regions, `j
 graphs no rule was written against, the real-model suite of the tests (flax, haiku, equinox, with
 their own `remat` as written), and on CPU the planner's plans at 75 / 50 / 25 %; each predicted
 from the one calibration compile of its unplanned step. On TPU (ahead of time, `pip install
-'jgraph[tpu]'`, JAX_PLATFORMS=cpu), models whose activations exceed the VMEM: the 8-layer MLP of `reference/tpu-figures.md` (d 1024,
-batch 4096 and 16384) and the scanned LM at vocab 4096 (batch 16 and 64). The issue's bar: every
-error within 10 %.
+'jgraph[tpu]'`, JAX_PLATFORMS=cpu), models whose activations exceed the VMEM: the 8-layer MLP
+of `reference/tpu-figures.md` (d 1024, batch 4096 and 16384) and the scanned LM at vocab 4096
+(batch 16 and 64). The issue's bar: every error within 10 %.
 
     python -m benchmarks.bench_memory --target cpu|tpu [--quick]
 """
