@@ -31,6 +31,15 @@ checkpoints applied) against the compiled temp, for budgets from the least the p
 no remat, with JAX's hand-written arrangements as points.
 
     python -m benchmarks.bench_planner [--quick] [--plot planner_frontier.png] [models...]
+
+`--planning [--target cpu|tpu]` prints only the planning-time bar (issue 51): per model and
+budget (75 / 50 / 25 % and "1%"), the seconds `jg.remat(budget=, target=)` takes from a traced
+graph (nothing cached: the unplanned step's compile a percentage needs included) against one
+compile of the unplanned step on the same target, how many compiles it ran, and whether its
+plan was confirmed by a compile on the model (`info["remat"]["confirmed"]`). On TPU (v5e,
+ahead of time: `pip install 'jgraph[tpu]'`, JAX_PLATFORMS=cpu) the scanned LM at batch 8.
+
+    python -m benchmarks.bench_planner --planning [--target cpu|tpu] [models...]
 """
 
 from __future__ import annotations
@@ -513,13 +522,72 @@ def rows(quick: bool = False) -> list[dict]:
     return out
 
 
+PLANNING_BUDGETS = ("75%", "50%", "25%", "1%")
+
+
+def planning(names, platform: str) -> list[str]:
+    """The planning-time table (module docstring)."""
+    import warnings
+
+    from jgraph.memory import compiled as compiled_module
+    from jgraph.memory import model as model_module
+    from jgraph.memory.compiled import lowered_step
+    from jgraph.target import resolve
+
+    if platform == "tpu":
+        from jax.experimental import topologies
+
+        target = resolve(topologies.get_topology_desc(platform="tpu",
+                                                      topology_name="v5e:2x2").devices[0])
+    else:
+        target = resolve(platform)
+    lines = ["model      budget   one compile s  planning s  ratio  compiles  confirmed  "
+             "figure/budget"]
+    measured = compiled_module._measured
+    for name in names:
+        fn, args, _ = models()[name]
+        gb = jg.backward(jg.trace(fn, *args, param_argnums=0))
+        started = time.perf_counter()
+        lowered_step(gb, target)[1].compile(compiler_options=target.compile_options)
+        one = time.perf_counter() - started
+        for budget in PLANNING_BUDGETS:
+            compiled_module._CACHE.clear()
+            model_module._CALIBRATIONS.pop(gb, None)
+            compiles = []
+            compiled_module._measured = lambda *a: compiles.append(a) or measured(*a)
+            started = time.perf_counter()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    gr = jg.remat(gb, budget=budget, target=target)
+                info = gr.info.get("remat", {})
+                confirmed = info.get("confirmed", "-")
+                fits = f"{info.get('xla_temp', 0) / max(info.get('budget', 1), 1):.3f}" \
+                    if "budget" in info else "-"
+            except jg.TransformError as error:
+                confirmed, fits = "-", f"error: {str(error)[:60]}"
+            finally:
+                compiled_module._measured = measured
+            took = time.perf_counter() - started
+            lines.append(f"{name:<10} {budget:>5}  {one:13.1f}  {took:10.1f}  {took / one:5.1f}"
+                         f"  {len(compiles):8d}  {confirmed:>9}  {fits}")
+            print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*",
                         help="chain32 resmlp16 transformer6 scan64 unet4 unet8 scanlm8")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plot", help="write the frontier figure (PNG) here")
+    parser.add_argument("--planning", action="store_true",
+                        help="only the planning time against one compile (issue 51)")
+    parser.add_argument("--target", default="cpu", help="cpu or tpu (with --planning)")
     args = parser.parse_args(argv)
+    if args.planning:
+        print("\n".join(planning(args.models or list(models()), args.target)))
+        return
     table, figure = run(args.models or list(models()), args.quick, args.plot)
     print("\n".join(format_rows(table)))
     print(planning_time())

@@ -349,7 +349,7 @@ def test_the_measured_temp_is_the_default_compiles():
     into nested scans and a loss head in chunks."""
     import optax
 
-    from jgraph.memory import CompiledMemory, donated_step
+    from jgraph.memory import CompiledMemory, donated_step, fusions
     from jgraph.planner.validate import xla_temp
 
     fn, args = chain(layers=6)
@@ -377,6 +377,8 @@ def test_the_measured_temp_is_the_default_compiles():
             int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
             default.as_text().count(" dot("),
             int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-                - stats.alias_size_in_bytes + stats.temp_size_in_bytes))
+                - stats.alias_size_in_bytes + stats.temp_size_in_bytes),
+            materialised=fusions.read(default.as_text())[0],
+            fused=fusions.read(default.as_text())[1])
         assert jg.compiled_memory(graph, *call_args) == want
         assert xla_temp(graph) == want.temp_bytes

@@ -59,6 +59,13 @@ class Calibration:
             simulated = self.simulate(graph).placement.peak
         return round(simulated * self.figure / self.modelled) if self.modelled else simulated
 
+    def corrected(self, predicted: int, compiled: int) -> Calibration:
+        """The model corrected by one compile of a plan it predicted at `predicted`: on TPU by
+        the code (an offset), on CPU by the scale, so that plan is then predicted exactly."""
+        if self.target.platform == "tpu":
+            return dataclasses.replace(self, figure=self.figure + compiled - predicted)
+        return dataclasses.replace(self, figure=round(self.figure * compiled / max(predicted, 1)))
+
     @property
     def describe(self) -> str:
         if self.target.platform == "tpu":

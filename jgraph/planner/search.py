@@ -25,6 +25,11 @@
 8. A hand arrangement that recomputes less (jgraph's cost model, on the rematerialized graphs)
    than the plan found and fits XLA's budget replaces it, so the search never loses to one.
 
+On CPU and TPU "compiled" above means predicted by the model (`jgraph.memory.model`, calibrated
+by the unplanned step's compile a percentage needs anyway), and only the plan returned is
+compiled, to confirm it (`_confirmed`; `info["remat"]["confirmed"]`, `["model_temp"]`); a miss
+corrects the model and plans once more, a second miss compiles every candidate as above.
+
 `graph.info["remat"]` reports the planner, the budget, the estimate, XLA's temp (and no remat's),
 the retries, the recompute flops, the plan, the seconds planning took and (apart) the seconds
 XLA took to compile the plans it checked.
@@ -257,12 +262,13 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
 
 
 def _confirmed(search, plain: Graph, target: int) -> Graph:
-    """`search()`'s plan. On TPU the search weighs its candidates on the model (`jgraph.memory
-    .model`: the compiler's buffer assignment to its first check, and the code of the unplanned
-    step `plain`), and only the plan it returns is compiled, at the budget's size: a miss
-    corrects the model's code by what that compile showed and plans once more; a second miss,
-    or no plan fitting the model, and every candidate is compiled as elsewhere."""
-    if current().platform != "tpu":
+    """`search()`'s plan. On CPU and TPU the search weighs its candidates on the model
+    (`jgraph.memory.model`, calibrated by the compile of the unplanned step `plain` a percentage
+    needs anyway: on CPU the simulator, on TPU the compiler's buffer assignment to its first
+    check), and only the plan it returns is compiled (on TPU at the budget's size): a miss
+    corrects the model by what that compile showed and plans once more; a second miss, or no
+    plan fitting the model, and every candidate is compiled, as on GPU."""
+    if current().platform not in ("cpu", "tpu"):
         return search()
     fitted = calibration(plain, current())
     for _ in range(CONFIRMS):
@@ -279,11 +285,11 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
         if predicted > target:  # the model's least plan: the compiler decides
             break
         there = validate.xla_figures(found)
-        if there.fits:
+        if there.fits and there.budget_bytes <= target:
             return _said(found.replace(info={**found.info, "remat": {
-                **info, "xla_temp": there.hbm_bytes, "model_temp": predicted,
-                "confirmed": there.hbm_mode}}), said)
-        fitted = dataclasses.replace(fitted, figure=fitted.figure + there.hbm_bytes - predicted)
+                **info, "xla_temp": there.budget_bytes, "model_temp": predicted,
+                "confirmed": there.hbm_mode or "compiled"}}), said)
+        fitted = fitted.corrected(predicted, there.budget_bytes)
     return search()
 
 
