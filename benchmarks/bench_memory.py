@@ -242,6 +242,22 @@ def _tpu_models(quick: bool):
     return found
 
 
+def gated_mlp(wrap=lambda f: f):
+    """A gated residual MLP whose blocks all read the input (`wrap` around each block): XLA:CPU
+    writes the gate's product and the residual sum to buffers where jgraph's fusion rules alone
+    would fuse them."""
+    def block(h, x0, p):
+        z = h + 0.5 * x0
+        return h + (jax.nn.silu(z @ p["g"]) * (z @ p["u"])) @ p["o"]
+
+    def loss(ps, x):
+        h = x
+        for p in ps:
+            h = wrap(block)(h, x, p)
+        return jnp.mean(jnp.square(h))
+    return loss
+
+
 def _unseen_models():
     """Graphs no planner rule or test was written against: a gated residual MLP whose blocks all
     read the input too, and a U-Net-shaped MLP whose decoder multiplies its skips in."""
@@ -255,18 +271,7 @@ def _unseen_models():
     gated_params = [{"g": w(d, hidden), "u": w(d, hidden), "o": w(hidden, d)} for _ in range(n)]
     x = jnp.asarray(rng.standard_normal((batch, d)), jnp.float32)
 
-    def gated(wrap=lambda f: f):
-        def block(h, x0, p):
-            z = h + 0.5 * x0
-            return h + (jax.nn.silu(z @ p["g"]) * (z @ p["u"])) @ p["o"]
-
-        def loss(ps, x):
-            h = x
-            for p in ps:
-                h = wrap(block)(h, x, p)
-            return jnp.mean(jnp.square(h))
-        return loss
-
+    gated = gated_mlp
     widths = [512, 384, 256, 192, 128]
     unet_params = {"down": [w(a, b) for a, b in zip(widths, widths[1:], strict=False)],
                    "up": [w(b, a) for a, b in zip(widths, widths[1:], strict=False)][::-1]}

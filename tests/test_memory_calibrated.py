@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jgraph as jg
+from benchmarks.bench_memory import gated_mlp
 from jgraph.errors import JGraphError
 from jgraph.memory import compiled as compiled_module
 from jgraph.memory import fusions
@@ -97,18 +98,8 @@ def test_an_unplanned_graph_of_other_inputs_is_refused():
 
 # -- the fusions one compile shows (jgraph.memory.fusions) -----------------------------------------
 def gated(remat):
-    """A gated residual MLP whose blocks all read the input: XLA:CPU writes the gate's product
-    and the residual sum to buffers where jgraph's fusion rules alone would fuse them."""
-    def block(h, x0, p):
-        z = h + 0.5 * x0
-        return h + (jax.nn.silu(z @ p["g"]) * (z @ p["u"])) @ p["o"]
-
-    def loss(ps, x):
-        h = x
-        for p in ps:
-            h = (jax.checkpoint(block) if remat else block)(h, x, p)
-        return jnp.mean(jnp.square(h))
-    return loss
+    """`bench_memory`'s gated residual MLP, a `jax.checkpoint` per block with `remat`."""
+    return gated_mlp(jax.checkpoint) if remat else gated_mlp()
 
 
 def _gated_args(blocks=6, d=128, hidden=384, batch=96):

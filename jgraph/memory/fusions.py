@@ -20,9 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from jgraph.ir import Graph, Literal, Var
+from jgraph.memory.program import literal_key
 
 _SCOPE = re.compile(r'op_name="[^"]*?/e(\d+)/')
 
@@ -49,8 +48,7 @@ def numbers(graph: Graph) -> dict[Var, object]:
 
     def number(a):
         if isinstance(a, Literal):
-            value = np.asarray(a.value) if a.value is not None else np.asarray(0)
-            return ("literal", value.dtype.str, value.shape, value.tobytes())
+            return literal_key(a)
         return named.get(a, ("free", id(a)))
 
     for eqn in graph.eqns:

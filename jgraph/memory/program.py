@@ -38,7 +38,6 @@ from jgraph.opkinds import aligned
 FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
 GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers
 LOOP = frozenset({"cheap", "expensive", "reduce"})  # loop fusions
-TRUST_FUSED = True
 
 
 class Value:
@@ -170,7 +169,7 @@ def _common(ops: Ops, eqn: Eqn, inputs) -> bool:
     recomputes a forward value: `max(x, 0)` for relu's derivative). Recompute eqns differ from
     the forward by their taint."""
     try:
-        key = (eqn.op, tuple(ops.root(a) if isinstance(a, Var) else _literal_key(a)
+        key = (eqn.op, tuple(ops.root(a) if isinstance(a, Var) else literal_key(a)
                              for a in inputs),
                tuple(sorted(eqn.params.items())), tuple(v.aval for v in eqn.outputs))
         hash(key)
@@ -184,7 +183,8 @@ def _common(ops: Ops, eqn: Eqn, inputs) -> bool:
     return True
 
 
-def _literal_key(a):
+def literal_key(a) -> tuple:
+    """A literal as a hashable key of its value (dtype, shape, bytes, weak type)."""
     value = np.asarray(a.value) if a.value is not None else np.asarray(0)
     return ("literal", value.dtype.str, value.shape, value.tobytes(), a.aval.weak_type)
 
@@ -339,7 +339,7 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
         library = kinds[kernel.root] == "library"
         said = verdict(p)
         if out is not None and said is not True and (
-                (said is False and TRUST_FUSED and kinds[p] in FUSIBLE and not library)
+                (said is False and kinds[p] in FUSIBLE and not library)
                 or _fusible(p, kinds, readers, outside, reuse, external, broadcast, library)):
             members.add(p)
             reused[p] = reuse
