@@ -219,7 +219,15 @@ def reuses(eqn: Eqn, k: int) -> bool:
         return k == 0
     if eqn.op == "dot_general":  # an outer product reads each element many times
         return True
+    if eqn.op in ELEMENTWISE and a.aval.size < eqn.outputs[0].aval.size:
+        return True  # an operand broadcast along size-1 dimensions (XLA's broadcast reuses it)
     return False
+
+
+# Ops that compute each output element from the elements at the same index of their operands.
+ELEMENTWISE = (CHEAP | EXPENSIVE) - frozenset({
+    "broadcast_in_dim", "iota", "transpose", "slice", "pad", "concatenate", "rev", "dynamic_slice",
+    "dynamic_update_slice", "split", "copy", "copy_p", "operand_copy", "taint", "gather"})
 
 
 def dot_operand_copies(eqn: Eqn) -> tuple[bool, bool]:

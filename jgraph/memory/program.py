@@ -126,8 +126,19 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         else ({}, [])
     tainted: dict[tuple[int, Var], Var] = {}
     cuts = fusion_cuts(graph)
+    folds = _scatter_folds(graph)
+    held: dict[Var, tuple] = {}  # a folded scatter's output -> (its eqn, its inputs)
     for eqn in graph.eqns:
         inputs = eqn.inputs
+        if eqn in folds:
+            if folds[eqn] is None:  # the scatter: it is computed where its sum is
+                held[eqn.outputs[0]] = (eqn, inputs)
+                continue
+            scatter, scatter_inputs = held[eqn.inputs[folds[eqn]]]
+            other = eqn.inputs[1 - folds[eqn]]
+            eqn = Eqn(scatter.op, (other,) + tuple(scatter_inputs[1:]), scatter.params,
+                      eqn.outputs, eqn.tags, eqn.regions, eqn.source)
+            inputs = eqn.inputs
         if eqn in plan:  # before anything else: a bitcast's taint is its readers' too
             inputs = _taint(ops, eqn, plan[eqn], anchors, tainted)
         if _folded(ops, eqn, inputs):  # XLA folds constants: a constant is not a temp
@@ -149,19 +160,69 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if eqn.op in ("gather", "scatter-add", "scatter", "scatter_add") \
                 and opkinds.batched_indices(eqn):
             inputs = _batched_indices(ops, eqn, inputs)
+        if eqn.op == "scan":
+            inputs = tuple(inputs) + _ys_stacks(ops, eqn)
         copies = COPIES[eqn.op](eqn) if eqn.op in COPIES else ()
         if any(copies):
             inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
                            for a, c in zip(inputs[:2], copies, strict=True)) + inputs[2:]
         outputs = eqn.outputs
-        if outputs and outputs[0] in cuts:
+        predicate = None
+        if outputs and outputs[0] in cuts:  # `lax.cond(x[0] < -|x[0]|, zeros, identity, x)`:
+            # XLA computes the predicate in a fusion of its own from the value's operands (made
+            # after the value's: it runs after it)
             outputs = (Var(outputs[0].aval),)
+            element = Var(outputs[0].aval)
+            predicate = Var(ShapedArray((), np.dtype("int32")))
+            _emit(ops, Eqn(eqn.op, inputs, eqn.params, (element,), eqn.tags, eqn.regions,
+                           eqn.source), eqn)
+            _emit(ops, Eqn("slice", (element,), {}, (predicate,), eqn.tags, eqn.regions,
+                           eqn.source), eqn)
         _emit(ops, eqn if inputs == eqn.inputs and outputs == eqn.outputs else Eqn(
             eqn.op, inputs, eqn.params, outputs, eqn.tags, eqn.regions, eqn.source), eqn)
-        if outputs != eqn.outputs:
-            _emit(ops, Eqn("materialise", outputs, {}, eqn.outputs, eqn.tags, eqn.regions,
-                           eqn.source), eqn)
+        if predicate is not None:
+            _emit(ops, Eqn("materialise", outputs + (predicate,), {}, eqn.outputs, eqn.tags,
+                           eqn.regions, eqn.source), eqn)
     return ops
+
+
+SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
+
+
+def _scatter_folds(graph: Graph) -> dict:
+    """XLA's algebraic simplifier folds `a + scatter_add(zeros, indices, updates)` into
+    `scatter_add(a, indices, updates)` where the sum is the scatter's only reader (the gradient
+    of an embedding table that is also read by a dot). {sum eqn: which of its operands is the
+    scatter, scatter eqn: None}."""
+    producer = {v: e for e in graph.eqns for v in e.outputs}
+    readers: dict[Var, int] = {}
+    for e in graph.eqns:
+        for a in e.inputs:
+            if isinstance(a, Var):
+                readers[a] = readers.get(a, 0) + 1
+    for a in graph.outputs:
+        if isinstance(a, Var):
+            readers[a] = readers.get(a, 0) + 1
+    folds = {}
+    for eqn in graph.eqns:
+        if eqn.op not in ("add", "add_any") or len(eqn.inputs) != 2 or not all(
+                isinstance(a, Var) and a.aval == eqn.outputs[0].aval for a in eqn.inputs):
+            continue
+        for k, a in enumerate(eqn.inputs):
+            scatter = producer.get(a)
+            if scatter is not None and scatter.op in SCATTER_ADDS and readers[a] == 1 \
+                    and scatter not in folds and _zeros(scatter.inputs[0], producer):
+                folds[eqn], folds[scatter] = k, None
+                break
+    return folds
+
+
+def _zeros(atom, producer) -> bool:
+    """Whether `atom` is zeros: a literal zero, or a broadcast of one."""
+    if isinstance(atom, Var) and atom in producer and producer[atom].op == "broadcast_in_dim":
+        atom = producer[atom].inputs[0]
+    return isinstance(atom, Literal) and atom.value is not None \
+        and not np.any(np.asarray(atom.value))
 
 
 def _common(ops: Ops, eqn: Eqn, inputs) -> bool:
@@ -224,6 +285,19 @@ def _batched_indices(ops: Ops, eqn: Eqn, inputs) -> tuple:
     _emit(ops, Eqn("batched_indices", (indices,), {}, (out,), eqn.tags, eqn.regions,
                    eqn.source), eqn)
     return (inputs[0], out) + tuple(inputs[2:])
+
+
+def _ys_stacks(ops: Ops, scan: Eqn) -> tuple:
+    """The buffers a scan writes its stacked outputs into: JAX lowers a scan to a while loop
+    whose ys start as broadcasts, instructions without operands, which XLA's scheduler runs
+    first: a stack lives from the start of the program (the scan writes it in place)."""
+    stacks = []
+    for y in scan.outputs[scan.params["num_carry"]:]:
+        out = Var(y.aval)
+        _emit(ops, Eqn("scan_stack", (), {}, (out,), scan.tags, scan.regions, scan.source),
+              scan)
+        stacks.append(out)
+    return tuple(stacks)
 
 
 def _operand_copy(ops: Ops, a: Var, dot: Eqn) -> Var:
@@ -421,8 +495,13 @@ def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
         carry = eqn.params.get("num_carry", len(eqn.outputs)) if eqn.op == "scan" \
             else len(eqn.outputs)
         inits = eqn.inputs[first:first + carry]
+        if eqn.op == "scan":  # and the ys into their stacks (`_ys_stacks`)
+            inits += eqn.inputs[len(eqn.params["body"].inputs):]
         return [(out, values[root(a)]) for out, a in zip(k.writes, inits, strict=False)
                 if root(a) in values]
+    if eqn.op == "materialise":  # a conditional whose identity branch writes over its operand
+        operand = root(eqn.inputs[0])
+        return [(k.writes[0], values[operand])] if operand in values else []
     if eqn.op in IN_PLACE:
         # In place over its operand's buffer, unless the operand was fused into the kernel (a
         # broadcast of zeros: the backward of dynamic_slice), which then has no buffer to share.
