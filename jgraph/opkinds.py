@@ -230,6 +230,15 @@ ELEMENTWISE = (CHEAP | EXPENSIVE) - frozenset({
     "dynamic_update_slice", "split", "copy", "copy_p", "operand_copy", "taint", "gather"})
 
 
+def dot_reshapes(eqn: Eqn, k: int) -> bool:
+    """Whether XLA's dot decomposition reshapes operand `k` of a `dot_general` (several
+    contracting or several free dimensions, merged into one each)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    contract, batch = (lc, lb) if k == 0 else (rc, rb)
+    rank = len(eqn.inputs[k].aval.shape)
+    return len(contract) > 1 or rank - len(contract) - len(batch) > 1
+
+
 def dot_operand_copies(eqn: Eqn) -> tuple[bool, bool]:
     """Whether each operand of a `dot_general` needs a transposed copy: XLA:CPU's dot kernels
     take batch dimensions leading and, per operand, one block of contracting dimensions at either

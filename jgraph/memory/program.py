@@ -480,8 +480,21 @@ def connect(found: list[Kernel], root, values: dict, kind_of) -> list[Value]:
                 a = root(a)
                 if isinstance(a, Var) and a not in inside:
                     k.read(values[a])
+    for k in found:
         k.shares = _shares(k, root, values)
     return new
+
+
+def _reshaped(value: Value, root) -> bool:
+    """Whether XLA writes `value` in another shape than its operands': its only reader is a dot
+    that reshapes it to 2-D, so the bitcast is the root of the fusion writing it (a fusion writes
+    over an operand of its own shape only)."""
+    if len(value.readers) != 1 or value.readers[0].root is None:
+        return False
+    dot = value.readers[0].root
+    return dot.op == "dot_general" and any(
+        root(a) is value.var and opkinds.dot_reshapes(dot, i)
+        for i, a in enumerate(dot.inputs[:2]))
 
 
 def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
@@ -507,7 +520,7 @@ def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
         # broadcast of zeros: the backward of dynamic_slice), which then has no buffer to share.
         operand = root(eqn.inputs[0])
         return [(k.writes[0], values[operand])] if operand in values else []
-    if shareable(k) and len(k.writes) == 1:
+    if shareable(k) and len(k.writes) == 1 and not _reshaped(k.writes[0], root):
         out = k.writes[0]
         return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"]
     return []
