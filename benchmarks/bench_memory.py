@@ -21,7 +21,10 @@ from the one calibration compile of its unplanned step. On TPU (ahead of time, `
 of `reference/tpu-figures.md` (d 1024, batch 4096 and 16384) and the scanned LM at vocab 4096
 (batch 16 and 64). The issue's bar: every error within 10 %.
 
-    python -m benchmarks.bench_memory --target cpu|tpu [--quick]
+    python -m benchmarks.bench_memory --target cpu|tpu [--quick] [--all]
+
+`--all` on TPU adds `bench_planner`'s models, the unseen graphs and the real-model suite (their
+plans as on CPU, the planner's at 50 %): about an hour of compiles.
 """
 
 from __future__ import annotations
@@ -313,8 +316,9 @@ def _real_models():
             for m in real_models.MODELS}
 
 
-def target_rows(platform: str, quick: bool = False):
-    """(model, plan, predicted, compiled) per model and plan on the target."""
+def target_rows(platform: str, quick: bool = False, everything: bool = False):
+    """(model, plan, predicted, compiled) per model and plan on the target; on TPU with
+    `everything`, `bench_planner`'s models and the real-model suite too."""
     from benchmarks.bench_planner import models as planner_models
     from jgraph.target import resolve
 
@@ -324,6 +328,8 @@ def target_rows(platform: str, quick: bool = False):
         target = topologies.get_topology_desc(platform="tpu",
                                               topology_name="v5e:2x2").devices[0]
         found = _tpu_models(quick)
+        if everything:
+            found.update({**planner_models(), **_unseen_models(), **_real_models()})
         budgets = ("50%",)
     else:
         target, budgets = resolve(platform), ("75%", "50%", "25%")
@@ -357,11 +363,11 @@ def target_rows(platform: str, quick: bool = False):
             yield name, plan_name, predicted, compiled, took
 
 
-def print_target_rows(platform: str, quick: bool) -> None:
+def print_target_rows(platform: str, quick: bool, everything: bool = False) -> None:
     print(f"| model | plan | predicted | {platform}'s figure | error | predicted in |")
     print("|---|---|---|---|---|---|")
     errors = []
-    for name, plan, predicted, compiled, took in target_rows(platform, quick):
+    for name, plan, predicted, compiled, took in target_rows(platform, quick, everything):
         error = predicted / compiled - 1 if compiled else float(predicted != 0)
         errors.append(abs(error))
         print(f"| {name} | {plan} | {_size(predicted)} | {_size(compiled)} | {error:+.1%} | "
@@ -373,7 +379,8 @@ def print_target_rows(platform: str, quick: bool) -> None:
 
 if __name__ == "__main__":
     if "--target" in sys.argv:
-        print_target_rows(sys.argv[sys.argv.index("--target") + 1], "--quick" in sys.argv)
+        print_target_rows(sys.argv[sys.argv.index("--target") + 1], "--quick" in sys.argv,
+                          "--all" in sys.argv)
         sys.exit(0)
     table = rows(quick="--quick" in sys.argv)
     for row in table:

@@ -12,7 +12,7 @@ from jgraph.check import check
 from jgraph.checkpoint import checkpoint, checkpoint_name
 from jgraph.chunk import chunk_rows
 from jgraph.dot import to_dot
-from jgraph.dropin import filter_grad, filter_value_and_grad, grad, value_and_grad, vjp
+from jgraph.dropin import filter_grad, filter_value_and_grad, grad, jit, value_and_grad, vjp
 from jgraph.errors import BudgetWarning, GraphError, JGraphError, TraceError, TransformError
 from jgraph.fuse import fuse_updates
 from jgraph.interpreter import Interpreter, evaluate
@@ -42,7 +42,7 @@ __all__ = [
     "to_dot", "chunk_rows", "fuse_updates",
     "Dataset", "Optimizer", "Result", "accumulate", "epoch", "fit", "optimizer_step", "reset",
     "first_micro_step",
-    "value_and_grad", "grad", "vjp", "filter_value_and_grad", "filter_grad",
+    "value_and_grad", "grad", "vjp", "jit", "filter_value_and_grad", "filter_grad",
 ]
 __version__ = config.__version__
 

@@ -11,8 +11,9 @@ variants are in `jgraph.dropin.filtered`, `jg.vjp` in `jgraph.dropin.pullback`.
 
 from jgraph.dropin.arguments import ArgumentError, ArgumentValueError, UnsupportedOptionError
 from jgraph.dropin.filtered import filter_grad, filter_value_and_grad
+from jgraph.dropin.jit import Jit, jit
 from jgraph.dropin.pullback import vjp
 from jgraph.dropin.transform import ValueAndGrad, grad, value_and_grad
 
-__all__ = ["ArgumentError", "ArgumentValueError", "UnsupportedOptionError", "ValueAndGrad",
-           "filter_grad", "filter_value_and_grad", "grad", "value_and_grad", "vjp"]
+__all__ = ["ArgumentError", "ArgumentValueError", "Jit", "UnsupportedOptionError", "ValueAndGrad",
+           "filter_grad", "filter_value_and_grad", "grad", "jit", "value_and_grad", "vjp"]

@@ -162,7 +162,9 @@ class ValueAndGrad:
                 self._cache.put(signature, now_reads, entry)
         return entry
 
-    def _trace(self, call: arguments.Call) -> Entry:
+    def _trace(self, call: arguments.Call, planned: bool = True) -> Entry:
+        """The call's entry; `planned=False`: its joint graph without remat (`jg.jit` plans the
+        whole step it is part of)."""
         signature, outputs, name, has_aux = call.signature, _Outputs(), self.name, self.has_aux
         fun = self.fun
 
@@ -197,7 +199,7 @@ class ValueAndGrad:
             joint = graph
         else:
             joint = backward(graph)
-            if self.policy is not None or self.budget is not None or joint.regions:
+            if planned and (self.policy is not None or self.budget is not None or joint.regions):
                 joint = remat(joint, self.policy, budget=self.budget, target=self.target)
         return Entry(joint, GraphRunner(joint, closed_over), outputs,
                      _grad_slots(call, joint), isinstance(self.argnums, int), has_aux,

@@ -1,0 +1,233 @@
+"""`jg.jit`: the user's whole training step traced into one jgraph graph, planned whole.
+
+    step = jg.jit(train_step, budget="50%", donate_argnums=(0, 1))   # was jax.jit(train_step, ...)
+    params, opt_state, loss = step(params, opt_state, batch)
+
+The step is traced once per abstract signature (`jg.trace`, from the avals of its arguments) with
+a `recording.Recorder` in force. Each drop-in gradient call the step makes (`jg.value_and_grad`,
+`jg.grad`, the equinox filters) is not run there: the recorder binds one `jgraph_grad_call`
+primitive carrying the call's joint graph, and the tracer splices that graph's eqns, tags and all,
+into the step's graph (`_splice`). So the graph holds the step's own eqns before the call, the
+forward and backward of the loss, and whatever the step computes from the gradients (the optax
+update, metrics, an EMA of the params): `step.graph(*args)` shows it. With `budget=`, `jg.remat`
+plans that graph whole (on `target`'s compiler, DESIGN §5); the gradients never leave it.
+
+Roles: the leaves a gradient call differentiates are params; the other leaves of donated
+arguments are state (`opt_state`, donated when jgraph measures the step); the rest data. Every
+output is a metric: jax.jit's rule, the first donated argument of the same shape and dtype, says
+which donated buffer each is written into.
+
+The step runs as one `jax.jit` of the planned graph, with the user's `donate_argnums`,
+`static_argnums` and other `jax.jit` options passed through; `step.lower(*args)` lowers it.
+A step that differentiates with `jax.grad` / `jax.value_and_grad` has no backward of jgraph's to
+plan: with a budget that is an error naming the fix (`jg.value_and_grad`, the same signature).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import jax
+from jax.extend import core as jex_core
+
+from jgraph.builder import Builder, handler
+from jgraph.dropin import recording
+from jgraph.dropin.arguments import ArgumentError
+from jgraph.ir import Eqn, Graph, Var
+from jgraph.lower import Lowering
+from jgraph.remat import remat
+from jgraph.trace import trace_closure
+
+
+class _Held:
+    """A joint graph as a primitive's parameter: hashed by identity (a graph's value is large)."""
+
+    __slots__ = ("graph", "params")
+
+    def __init__(self, graph: Graph, params: frozenset):
+        self.graph = graph
+        self.params = params  # positions of the graph's inputs the call differentiates
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+
+grad_call_p = jex_core.Primitive("jgraph_grad_call")
+grad_call_p.multiple_results = True
+grad_call_p.def_abstract_eval(lambda *avals, held: [v.aval for v in held.graph.outputs])
+grad_call_p.def_impl(lambda *args, held: Lowering().run(held.graph, *args))
+
+
+@handler("jgraph_grad_call")
+def _splice(b: Builder, eqn, inputs):
+    """The joint graph of a gradient call, its eqns emitted as they are (tags, regions)."""
+    held = eqn.params["held"]
+    graph = held.graph
+    env = dict(zip(graph.inputs, inputs, strict=True))
+    recorder = recording.current()
+    if recorder is not None:
+        recorder.differentiated.update(inputs[k] for k in held.params
+                                       if isinstance(inputs[k], Var))
+
+    def read(a):
+        return env.get(a, a) if isinstance(a, Var) else a
+
+    for e in graph.eqns:
+        outs = tuple(Var(v.aval) for v in e.outputs)
+        env.update(zip(e.outputs, outs, strict=True))
+        b.eqns.append(Eqn(e.op, tuple(read(a) for a in e.inputs), e.params, outs,
+                          e.tags | b.tags, e.regions, e.source))
+    b.new_regions.extend(graph.regions)
+    return [read(a) for a in graph.outputs]
+
+
+@dataclass
+class _Recorder:
+    """What the step's gradient calls were, while it is traced (`recording`)."""
+
+    planned: bool  # each call's joint graph with its own regions applied (no budget of the step's)
+    calls: list = field(default_factory=list)  # the transforms' names, in call order
+    differentiated: set = field(default_factory=set)  # the step's inputs the calls differentiate
+
+    def grad_call(self, transform, call, thunk):
+        if not self.planned and transform.budget is not None:
+            raise ArgumentError(f"jg.jit(budget=...): {transform.name} inside the step has a "
+                                "budget of its own; give the budget to jg.jit only (it plans the "
+                                "whole step)")
+        entry = thunk() if self.planned else transform._trace(call, planned=False)
+        graph = entry.graph
+        params = frozenset(k for k, r in enumerate(graph.input_roles) if r == "param")
+        flat = grad_call_p.bind(*call.dynamic, *entry.run.closed_over, held=_Held(graph, params))
+        self.calls.append(transform.name)
+        return entry, flat
+
+
+@dataclass(eq=False)
+class _Traced:
+    graph: Graph  # the step's graph, planned
+    unplanned: Graph
+    run: object  # the jitted function of the user's arguments
+    calls: list
+
+
+class Jit:
+    """The transform `jg.jit(fun, ...)` returns."""
+
+    def __init__(self, fun, budget=None, target=None, **jit_kwargs):
+        if not callable(fun):
+            raise ArgumentError(f"jg.jit: expected a function, got {type(fun).__name__}")
+        self.fun, self.budget, self.target = fun, budget, target
+        static = jit_kwargs.get("static_argnums", ())
+        self.static = (static,) if isinstance(static, int) else tuple(static)
+        donate = jit_kwargs.get("donate_argnums", ())
+        self.donate = (donate,) if isinstance(donate, int) else tuple(donate)
+        if "static_argnames" in jit_kwargs or "donate_argnames" in jit_kwargs:
+            raise ArgumentError("jg.jit: pass static and donated arguments by position "
+                                "(static_argnums=, donate_argnums=)")
+        self.jit_kwargs = jit_kwargs
+        self._cache: dict = {}
+        functools.update_wrapper(self, fun, updated=())
+
+    def __call__(self, *args):
+        return self._traced(args).run(*args)
+
+    def graph(self, *args) -> Graph:
+        """The step's graph for these arguments, as it runs (planned under the budget)."""
+        return self._traced(args).graph
+
+    def info(self, *args) -> dict:
+        """What was traced and planned: the gradient calls spliced, the plan (`jg.remat`'s
+        report, with the budget's figure and XLA's), the roles of the inputs."""
+        traced = self._traced(args)
+        graph = traced.graph
+        return {"grad_calls": list(traced.calls), "remat": graph.info.get("remat"),
+                "input_roles": graph.input_roles, "unplanned": traced.unplanned}
+
+    def lower(self, *args):
+        """`jax.jit(...).lower` of the step for these arguments (ahead-of-time work)."""
+        return self._traced(args).run.lower(*args)
+
+    # -- tracing -------------------------------------------------------------------------------
+    def _key(self, args):
+        for i in self.static:
+            if i >= len(args):
+                raise ArgumentError(f"jg.jit: static_argnums has {i}, but the step got "
+                                    f"{len(args)} arguments")
+        dynamic = [a for i, a in enumerate(args) if i not in self.static]
+        leaves, tree = jax.tree.flatten(dynamic)
+        avals = tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)),
+                       getattr(jax.typeof(x), "weak_type", False)) for x in leaves)
+        static = tuple(args[i] for i in self.static if i < len(args))
+        return (tree, avals, static)
+
+    def _traced(self, args) -> _Traced:
+        key = self._key(args)
+        try:
+            found = self._cache.get(key)
+        except TypeError:
+            raise ArgumentError("jg.jit: a static argument is not hashable") from None
+        if found is None:
+            found = self._cache[key] = self._trace(args)
+        return found
+
+    def _trace(self, args) -> _Traced:
+        positions = [i for i in range(len(args)) if i not in self.static]
+        fun = self.fun
+
+        def step(*dynamic):
+            full = list(args)
+            for i, a in zip(positions, dynamic, strict=True):
+                full[i] = a
+            return fun(*full)
+
+        dynamic = [args[i] for i in positions]
+        recorder = _Recorder(planned=self.budget is None)
+        with recording.active(recorder):
+            graph, closed_over = trace_closure(step, *dynamic)
+        if closed_over:
+            raise ArgumentError("jg.jit: the step closes over values traced by an enclosing "
+                                "transform; pass them as arguments")
+        donated = set(self.donate)
+        roles = []
+        for i, a in zip(positions, dynamic, strict=True):
+            roles += ["opt_state" if i in donated else "data"] * len(jax.tree.leaves(a))
+        roles = tuple("param" if v in recorder.differentiated else r
+                      for v, r in zip(graph.inputs, roles, strict=True))
+        unplanned = graph.replace(input_roles=roles, output_roles=("metric",) * len(
+            graph.outputs), param_argnums=None, has_aux=False)
+        planned = unplanned
+        if self.budget is not None:
+            if not recorder.calls:
+                raise ArgumentError(
+                    "jg.jit(budget=...): the step computes no gradient with jg.value_and_grad or "
+                    "jg.grad, so it has no backward of jgraph's to plan; differentiate with "
+                    "jg.value_and_grad (the same signature as jax.value_and_grad)")
+            planned = remat(unplanned, budget=self.budget, target=self.target)
+        elif planned.regions:
+            planned = remat(planned)
+        return _Traced(planned, unplanned, self._runner(planned, args), recorder.calls)
+
+    def _runner(self, graph: Graph, args):
+        positions = [i for i in range(len(args)) if i not in self.static]
+        out_tree = graph.out_tree
+
+        def run(*call_args):
+            dynamic = [call_args[i] for i in positions]
+            outs = Lowering().run(graph, *jax.tree.leaves(dynamic))
+            return jax.tree.unflatten(out_tree, outs)
+
+        return jax.jit(run, **self.jit_kwargs)
+
+
+def jit(fun=None, *, budget=None, target=None, **jit_kwargs):
+    """`jax.jit` of a training step, with the step traced whole into a jgraph graph and, with
+    `budget=` (bytes, or a percentage of the unplanned step's figure on `target`), planned whole
+    (module docstring). Usable as `@jg.jit(budget="50%")` too."""
+    if fun is None:
+        return lambda f: Jit(f, budget=budget, target=target, **jit_kwargs)
+    return Jit(fun, budget=budget, target=target, **jit_kwargs)
+
