@@ -197,8 +197,10 @@ class Jit:
             roles += ["opt_state" if i in donated else "data"] * len(jax.tree.leaves(a))
         roles = tuple("param" if v in recorder.differentiated else r
                       for v, r in zip(graph.inputs, roles, strict=True))
-        unplanned = graph.replace(input_roles=roles, output_roles=("metric",) * len(
-            graph.outputs), param_argnums=None, has_aux=False)
+        unplanned = graph.replace(
+            input_roles=roles, output_roles=_output_roles(graph, roles, dynamic, positions,
+                                                          donated),
+            param_argnums=None, has_aux=False)
         planned = unplanned
         if self.budget is not None:
             if not recorder.calls:
@@ -221,6 +223,37 @@ class Jit:
             return jax.tree.unflatten(out_tree, outs)
 
         return jax.jit(run, **self.jit_kwargs)
+
+
+def _output_roles(graph: Graph, roles, dynamic, positions, donated) -> tuple:
+    """Each output's role: the new value of a donated argument's leaf (`new_param`,
+    `new_opt_state`) where the step returns that argument's tree (one of its results, in the
+    argument's structure, shapes and dtypes: `return params, opt_state, loss`, a flax
+    `TrainState`), else a metric. New values keep their inputs' order, as `jg.fuse_updates`
+    pairs them."""
+    out_roles = ["metric"] * len(graph.outputs)
+    results = graph.out_tree.children() if graph.out_tree.num_nodes > 1 and \
+        graph.out_tree.children() else [graph.out_tree]
+    if len(results) == 1 and results[0] != graph.out_tree:
+        results = [graph.out_tree]
+    starts = [sum(t.num_leaves for t in results[:j]) for j in range(len(results))]
+    first, used = 0, set()
+    for i, a in zip(positions, dynamic, strict=True):
+        tree, n = jax.tree.structure(a), len(jax.tree.leaves(a))
+        if i in donated:
+            inputs = graph.inputs[first:first + n]
+            for j, t in enumerate(results):
+                outs = graph.outputs[starts[j]:starts[j] + n]
+                if j in used or t != tree or [getattr(o, "aval", None) for o in outs] != [
+                        v.aval for v in inputs]:
+                    continue
+                used.add(j)
+                for k, r in enumerate(roles[first:first + n]):
+                    if r in ("param", "opt_state"):
+                        out_roles[starts[j] + k] = "new_" + r
+                break
+        first += n
+    return tuple(out_roles)
 
 
 def jit(fun=None, *, budget=None, target=None, **jit_kwargs):
