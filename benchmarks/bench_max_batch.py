@@ -21,12 +21,15 @@ two compiles place it, a few more confirm it (the largest fitting batch, the nex
 
     python -m benchmarks.bench_max_batch [--quick] [models...]
     python -m benchmarks.bench_max_batch MODEL --time-at JAX_ARRANGEMENT JAX_BATCH JGRAPH_BATCH
+    python -m benchmarks.bench_max_batch --dropin [models...]
 
 Models: `scanlm-4096`, `scanlm-32768` (the 8-layer transformer LM of `bench_planner`, d 256,
 seq 128, 4 heads, layers in a `lax.scan`) and their unrolled twins `lm-4096`, `lm-32768`.
 `--quick`: only batches, no timing; JAX's arrangements with barriers kept only (no remat with
 both), `dots_with_no_batch_dims` left out. `--jax-only`: JAX's side alone (no planning, no
-timing). `--time-at`: the time ratio alone, at the batches an earlier run found.
+timing). `--time-at`: the time ratio alone, at the batches an earlier run found. `--dropin`:
+the largest batch of `jg.jit(step, budget=memory)` over the step as a user writes it
+(`jg.value_and_grad`, then optax), beside the step graph's (what `jg.Optimizer` plans).
 """
 
 from __future__ import annotations
@@ -122,6 +125,55 @@ def jgraph_step_graph(fn, params, batch: int, vocab: int, cap: int):
     fitting = [(xla_temp(g), g) for g in candidates]
     fitting = [f for f in fitting if f[0] <= cap]
     return min(fitting, key=lambda f: f[0])[1] if fitting else None
+
+
+# -- the user's own step under `jg.jit` (issue 40) ------------------------------------------------
+def dropin_step(fn, budget):
+    """The step as a user writes it (`jax_adam_step` with `jg.value_and_grad`) under `jg.jit`."""
+    opt = tx()
+
+    def step(params, state, tokens):
+        loss, grads = jg.value_and_grad(fn)(params, tokens)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return jg.jit(step, budget=budget, donate_argnums=(0, 1))
+
+
+def dropin_fits(fn, params, batch: int, vocab: int, cap: int) -> bool:
+    """Whether `jg.jit(step, budget=cap)` plans the step at `batch` within `cap` (no
+    `BudgetWarning`, and XLA's temp of the step it runs within it)."""
+    step = dropin_step(fn, cap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jg.BudgetWarning)
+        try:
+            lowered = step.lower(params, tx().init(params), tokens(batch, vocab))
+        except (jg.BudgetWarning, jg.TransformError):
+            return False
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes) <= cap
+
+
+def run_dropin(name: str) -> dict:
+    """The largest batch of `jg.jit` over the user's step, beside the step graph's
+    (`jgraph_step_graph`, what `jg.Optimizer` plans) and JAX's no remat, in the same memory."""
+    plain, params, hand, vocab = model(name)
+    cap = jax_temp(plain, params, BASE_BATCH)
+    found = {"cap": cap, "name": name}
+
+    def jit_fits(b):
+        ok = dropin_fits(plain, params, b, vocab, cap)
+        print(f"#   {name} jg.jit batch {b}: {'fits' if ok else 'does not fit'}", file=sys.stderr)
+        return ok
+
+    def graph_fits(b):
+        ok = jgraph_step_graph(plain, params, b, vocab, cap) is not None
+        print(f"#   {name} step graph batch {b}: {'fits' if ok else 'does not fit'}",
+              file=sys.stderr)
+        return ok
+
+    found["jit"] = largest_batch(jit_fits)
+    found["graph"] = largest_batch(graph_fits, low=max(1, found["jit"]))
+    return found
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -265,7 +317,19 @@ def main(argv=None):
                         "barriers kept' 12 171")
     parser.add_argument("--jax-only", action="store_true",
                         help="JAX's arrangements only (every one, unless --quick): no planning")
+    parser.add_argument("--dropin", action="store_true",
+                        help="jg.jit over the user's own step against the step graph "
+                        "jg.Optimizer plans, in the same memory (issue 40)")
     args = parser.parse_args(argv)
+    if args.dropin:
+        for name in args.models or ["scanlm-4096", "scanlm-32768"]:
+            started = time.perf_counter()
+            r = run_dropin(name)
+            ratio = r["jit"] / r["graph"] if r["graph"] else float("nan")
+            print(f"{name}: memory {r['cap'] / MIB:.1f} MiB; jg.jit batch {r['jit']}, step graph "
+                  f"(jg.Optimizer) batch {r['graph']}: {ratio:.2f}x "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        return
     if args.time_at:
         if len(args.models) != 1:
             raise SystemExit("--time-at times one model: name it")

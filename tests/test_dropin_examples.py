@@ -77,6 +77,8 @@ JIT_CASES = {
     "flax_linen_jit": ((('@jg.jit(budget="95%", donate_argnums=0)', "@jax.jit"),
                         ("jg.value_and_grad(", "jax.value_and_grad(")),
                        lambda out: out[0].params),
+    "haiku_jit": ((('@jg.jit(budget="95%", donate_argnums=(0, 1))', "@jax.jit"),
+                   ("jg.grad(", "jax.grad(")), lambda out: out[0]),
 }
 
 
