@@ -34,6 +34,7 @@ from jax.extend import core as jex_core
 from jgraph.builder import Builder, handler
 from jgraph.dropin import recording
 from jgraph.dropin.arguments import ArgumentError
+from jgraph.fuse import without_grads
 from jgraph.ir import Eqn, Graph, Var
 from jgraph.lower import Lowering
 from jgraph.remat import remat
@@ -82,7 +83,10 @@ def _splice(b: Builder, eqn, inputs):
         b.eqns.append(Eqn(e.op, tuple(read(a) for a in e.inputs), e.params, outs,
                           e.tags | b.tags, e.regions, e.source))
     b.new_regions.extend(graph.regions)
-    return [read(a) for a in graph.outputs]
+    outputs = [read(a) for a in graph.outputs]
+    if recorder is not None:
+        recorder.spliced.append((graph, list(inputs), outputs))
+    return outputs
 
 
 @dataclass
@@ -92,6 +96,7 @@ class _Recorder:
     planned: bool  # each call's joint graph with its own regions applied (no budget of the step's)
     calls: list = field(default_factory=list)  # the transforms' names, in call order
     differentiated: set = field(default_factory=set)  # the step's inputs the calls differentiate
+    spliced: list = field(default_factory=list)  # (joint graph, its input atoms, its outputs)
 
     def grad_call(self, transform, call, thunk):
         if not self.planned and transform.budget is not None:
@@ -201,28 +206,90 @@ class Jit:
             input_roles=roles, output_roles=_output_roles(graph, roles, dynamic, positions,
                                                           donated),
             param_argnums=None, has_aux=False)
-        planned = unplanned
+        order, n_out = list(range(len(unplanned.inputs))), len(unplanned.outputs)
         if self.budget is not None:
             if not recorder.calls:
                 raise ArgumentError(
                     "jg.jit(budget=...): the step computes no gradient with jg.value_and_grad or "
                     "jg.grad, so it has no backward of jgraph's to plan; differentiate with "
                     "jg.value_and_grad (the same signature as jax.value_and_grad)")
+            joined = _joint_and_tail(unplanned, recorder.spliced)
+            if joined is not None:
+                unplanned, order = joined
             planned = remat(unplanned, budget=self.budget, target=self.target)
-        elif planned.regions:
-            planned = remat(planned)
-        return _Traced(planned, unplanned, self._runner(planned, args), recorder.calls)
+        else:
+            planned = remat(unplanned) if unplanned.regions else unplanned
+        return _Traced(planned, unplanned, self._runner(planned, args, order, n_out, graph),
+                       recorder.calls)
 
-    def _runner(self, graph: Graph, args):
+    def _runner(self, graph: Graph, args, order, n_out: int, step: Graph):
+        """The jitted function of the user's arguments: their leaves in `order` are the graph's
+        inputs, the last `n_out` of its outputs the step's results (in `step`'s structure)."""
         positions = [i for i in range(len(args)) if i not in self.static]
-        out_tree = graph.out_tree
+        out_tree = step.out_tree
 
         def run(*call_args):
-            dynamic = [call_args[i] for i in positions]
-            outs = Lowering().run(graph, *jax.tree.leaves(dynamic))
-            return jax.tree.unflatten(out_tree, outs)
+            leaves = jax.tree.leaves([call_args[i] for i in positions])
+            outs = Lowering().run(graph, *[leaves[k] for k in order])
+            return jax.tree.unflatten(out_tree, outs[len(outs) - n_out:])
 
         return jax.jit(run, **self.jit_kwargs)
+
+
+def _joint_and_tail(step: Graph, spliced) -> tuple[Graph, list] | None:
+    """The step as the planner knows a training step: the joint graph `jg.backward` returned
+    (its inputs first, its info kept, so the planner derives it again for loop modes and runs
+    its loss head in chunks), the step's own eqns appended as its tail, the step's results
+    after the joint's, the gradients left out (`without_grads`). Only for a step with one
+    gradient call, of the step's own arguments, whose eqns before the call do not feed it.
+    (The graph, the order of the step's flat inputs as its inputs) or None."""
+    if len(spliced) != 1:
+        return None
+    joint, atoms, outs = spliced[0]
+    position = {v: k for k, v in enumerate(step.inputs)}
+    if "backward_of" not in joint.info and joint.info.get("forward") is None and \
+            not any("backward" in e.tags for e in joint.eqns):
+        return None
+    if not all(isinstance(a, Var) and a in position for a in atoms) or len(set(atoms)) != len(
+            atoms):
+        return None
+    mine = {v for v in outs if isinstance(v, Var)}
+    produced = {v for e in step.eqns for v in e.outputs}
+    if not mine <= produced:  # spliced inside a loop body or a branch
+        return None
+    # the spliced copy: the joint's eqns, ending with the last eqn writing one of its outputs
+    ends = [i for i, e in enumerate(step.eqns) if any(v in mine for v in e.outputs)]
+    if not ends or ends[-1] + 1 < len(joint.eqns):
+        return None
+    end = ends[-1] + 1
+    start = end - len(joint.eqns)
+    if [e.op for e in step.eqns[start:end]] != [e.op for e in joint.eqns]:
+        return None
+    inside = {v for e in step.eqns[start:end] for v in e.outputs} - mine
+    subst = dict(zip(atoms, joint.inputs, strict=True))
+    subst.update((o, j) for o, j in zip(outs, joint.outputs, strict=True) if isinstance(o, Var))
+    tail = []
+    for e in step.eqns[:start] + step.eqns[end:]:
+        if any(isinstance(a, Var) and a in inside for a in e.inputs):
+            return None  # the step reads a value inside the gradient call
+        tail.append(Eqn(e.op, tuple(subst.get(a, a) if isinstance(a, Var) else a
+                                    for a in e.inputs), e.params, e.outputs, e.tags, e.regions,
+                        e.source))
+    if any((r == "param") != (step.input_roles[position[a]] == "param")
+           for a, r in zip(atoms, joint.input_roles, strict=True)):
+        return None
+    rest = [k for k, v in enumerate(step.inputs) if v not in subst]
+    order = [position[a] for a in atoms] + rest
+    inputs = joint.inputs + tuple(step.inputs[k] for k in rest)
+    roles = joint.input_roles + tuple(step.input_roles[k] for k in rest)
+    results = tuple(subst.get(a, a) if isinstance(a, Var) else a for a in step.outputs)
+    parts = list(joint.out_tree.children()) + [step.out_tree]
+    tree = jax.tree.structure(tuple(jax.tree.unflatten(t, [0] * t.num_leaves) for t in parts))
+    whole = joint.replace(inputs=inputs, input_roles=roles, eqns=joint.eqns + tuple(tail),
+                          outputs=joint.outputs + results,
+                          output_roles=joint.output_roles + step.output_roles,
+                          in_tree=None, out_tree=tree, param_argnums=None)
+    return without_grads(whole, placeholder=True), order
 
 
 def _output_roles(graph: Graph, roles, dynamic, positions, donated) -> tuple:
