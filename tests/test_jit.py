@@ -265,3 +265,28 @@ def test_a_step_computing_the_gradient_calls_inputs_is_planned_too():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         # (XLA fuses the normalization into other kernels in the two programs: an ulp apart)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore::jgraph.BudgetWarning")
+@pytest.mark.parametrize("budget", [None, "50%"])
+def test_aux_and_grad_only_calls(budget):
+    ws, x = _mlp(layers=4)
+    tx = optax.sgd(0.1)
+
+    def make(grad_fn, value_and_grad_fn):
+        def with_aux(ws, x):
+            return loss(ws, x), {"first": jnp.tanh(x @ ws[0]).mean()}
+
+        def train_step(params, opt_state, x):
+            grads, aux = grad_fn(with_aux, has_aux=True)(params, x)
+            (value, _), _ = value_and_grad_fn(with_aux, has_aux=True)(params, x)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value, aux
+        return train_step
+
+    step = jg.jit(make(jg.grad, jg.value_and_grad), budget=budget, donate_argnums=(0, 1))
+    want = jax.jit(make(jax.grad, jax.value_and_grad))(ws, tx.init(ws), x)
+    got = step(jax.tree.map(jnp.copy, ws), tx.init(ws), x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert step.info(ws, tx.init(ws), x)["grad_calls"] == ["jg.grad", "jg.value_and_grad"]
