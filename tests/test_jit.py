@@ -290,3 +290,15 @@ def test_aux_and_grad_only_calls(budget):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert step.info(ws, tx.init(ws), x)["grad_calls"] == ["jg.grad", "jg.value_and_grad"]
+
+
+@pytest.mark.filterwarnings("ignore::jgraph.BudgetWarning")
+def test_without_donation_the_info_says_why_updates_stay():
+    ws, x = _mlp(layers=2)
+    tx = optax.adam(1e-2)
+    step = jg.jit(steps(tx, jg.value_and_grad), budget="50%")
+    info = step.info(ws, tx.init(ws), x)
+    assert "donate" in info["updates"]
+    assert not (info["remat"] or {}).get("fused")
+    donated = jg.jit(steps(tx, jg.value_and_grad), budget="50%", donate_argnums=(0, 1))
+    assert donated.info(ws, tx.init(ws), x)["updates"] is None

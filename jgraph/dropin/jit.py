@@ -146,11 +146,20 @@ class Jit:
 
     def info(self, *args) -> dict:
         """What was traced and planned: the gradient calls spliced, the plan (`jg.remat`'s
-        report, with the budget's figure and XLA's), the roles of the inputs."""
+        report, with the budget's figure and XLA's, and `fused`: the params whose update moved
+        into the backward), the roles of the inputs, and `updates`: why updates were not fused
+        (None where they could be)."""
         traced = self._traced(args)
         graph = traced.graph
+        updates = None
+        if not any(r.startswith("new_") for r in graph.output_roles):
+            updates = ("the step returns no donated argument's new value, so its updates have no "
+                       "buffers to be written into where the gradients are made: donate the "
+                       "params and optimizer state (donate_argnums) and return them in the same "
+                       "structure" if self.budget is not None else "no budget: nothing planned")
         return {"grad_calls": list(traced.calls), "remat": graph.info.get("remat"),
-                "input_roles": graph.input_roles, "unplanned": traced.unplanned}
+                "input_roles": graph.input_roles, "updates": updates,
+                "unplanned": traced.unplanned}
 
     def lower(self, *args):
         """`jax.jit(...).lower` of the step for these arguments (ahead-of-time work)."""
