@@ -302,3 +302,19 @@ def test_without_donation_the_info_says_why_updates_stay():
     assert not (info["remat"] or {}).get("fused")
     donated = jg.jit(steps(tx, jg.value_and_grad), budget="50%", donate_argnums=(0, 1))
     assert donated.info(ws, tx.init(ws), x)["updates"] is None
+
+
+def test_per_example_gradients_under_vmap_in_the_step():
+    """A gradient call under `jax.vmap` inside the step runs under the vmap (not planned)."""
+    ws, x = _mlp(layers=2)
+
+    def make(grad_fn):
+        def step(params, x):
+            per = jax.vmap(lambda xi: grad_fn(loss)(params, xi[None]), out_axes=0)(x)
+            return jax.tree.map(lambda g: jnp.sqrt(jnp.sum(g**2)), per)
+        return step
+
+    want = jax.jit(make(jax.grad))(ws, x[:8])
+    got = jg.jit(make(jg.grad))(ws, x[:8])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

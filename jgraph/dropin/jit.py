@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import jax
 from jax.extend import core as jex_core
+from jax.interpreters import ad, batching
 
 from jgraph.builder import Builder, handler
 from jgraph.dropin import recording
@@ -61,6 +62,28 @@ grad_call_p = jex_core.Primitive("jgraph_grad_call")
 grad_call_p.multiple_results = True
 grad_call_p.def_abstract_eval(lambda *avals, held: [v.aval for v in held.graph.outputs])
 grad_call_p.def_impl(lambda *args, held: Lowering().run(held.graph, *args))
+
+
+def _run_graph(held):
+    return lambda *args: Lowering().run(held.graph, *args)
+
+
+def _batched(args, dims, *, held):
+    """Under `jax.vmap` inside the step (per-example gradients) the call's graph is not spliced:
+    its eqns are bound under the vmap, as the drop-in does outside `jg.jit`."""
+    axes = tuple(d if isinstance(d, int) else None for d in dims)  # (an unmapped operand)
+    outs = jax.vmap(_run_graph(held), in_axes=axes)(*args)
+    return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, *, held):
+    """Under `jax.jvp` / `jax.grad` of the step: the call's graph differentiated as JAX ops."""
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(_run_graph(held), list(primals), tangents)
+
+
+batching.primitive_batchers[grad_call_p] = _batched
+ad.primitive_jvps[grad_call_p] = _jvp
 
 
 @handler("jgraph_grad_call")
