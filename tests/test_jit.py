@@ -153,6 +153,8 @@ def test_bad_input_is_a_clear_error():
         step(ws, x, [1])
     with pytest.raises(ArgumentError, match="by position"):
         jg.jit(loss, static_argnames="x")
+    with pytest.raises(ArgumentError, match="by position"):
+        jg.jit(loss)(ws, x=x)
 
 
 def test_a_flax_train_state_step():

@@ -160,7 +160,10 @@ class Jit:
         self._cache: dict = {}
         functools.update_wrapper(self, fun, updated=())
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise ArgumentError(f"jg.jit: pass the step's arguments by position (got keyword "
+                                f"arguments {sorted(kwargs)})")
         return self._traced(args).run(*args)
 
     def graph(self, *args) -> Graph:
