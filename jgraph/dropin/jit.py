@@ -41,6 +41,8 @@ from jgraph.lower import Lowering
 from jgraph.remat import remat
 from jgraph.trace import trace_closure
 
+SIGNATURES = 64  # the most recently used signatures kept, each with its graph and executable
+
 
 class _Held:
     """A joint graph as a primitive's parameter: hashed by identity (a graph's value is large)."""
@@ -212,6 +214,10 @@ class Jit:
             raise ArgumentError("jg.jit: a static argument is not hashable") from None
         if found is None:
             found = self._cache[key] = self._trace(args)
+            while len(self._cache) > SIGNATURES:
+                del self._cache[next(iter(self._cache))]
+        else:
+            self._cache[key] = self._cache.pop(key)  # the most recently used last
         return found
 
     def _trace(self, args) -> _Traced:
