@@ -79,6 +79,9 @@ JIT_CASES = {
                        lambda out: out[0].params),
     "haiku_jit": ((('@jg.jit(budget="95%", donate_argnums=(0, 1))', "@jax.jit"),
                    ("jg.grad(", "jax.grad(")), lambda out: out[0]),
+    "equinox_jit": ((('@jg.jit(budget="95%", donate_argnums=(0, 1))', "@eqx.filter_jit"),
+                     ("jg.filter_value_and_grad(", "eqx.filter_value_and_grad(")),
+                    lambda out: eqx.filter(out[0], eqx.is_array)),
 }
 
 

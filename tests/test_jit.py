@@ -320,3 +320,25 @@ def test_per_example_gradients_under_vmap_in_the_step():
     got = jg.jit(make(jg.grad))(ws, x[:8])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_numbers_are_traced_and_a_modules_other_leaves_are_static():
+    """As `jax.jit`: a Python number argument is traced (a new learning rate, no new trace); as
+    `equinox.filter_jit`: in a tree holding a function, only the arrays are."""
+    ws, x = _mlp(layers=2)
+    traces = []
+
+    def make(grad_fn):
+        def step(params, x, lr, model):
+            traces.append(1)
+            grads = grad_fn(loss)(params, x)
+            return [p - lr * model["scale"] * g for p, g in zip(params, grads, strict=True)]
+        return step
+
+    model = {"act": jnp.tanh, "scale": jnp.float32(1.0)}
+    jitted = jg.jit(make(jg.grad))
+    reference = jax.jit(lambda p, x, lr, s: make(jax.grad)(p, x, lr, {"act": jnp.tanh,
+                                                                      "scale": s}))
+    for lr in (0.1, 0.2):
+        _equal(jitted(ws, x, lr, model), reference(ws, x, lr, model["scale"]))
+    assert len(traces) == 2  # one trace each: the new learning rate is a traced value

@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching
 
@@ -140,8 +141,67 @@ class _Recorder:
 class _Traced:
     graph: Graph  # the step's graph, planned
     unplanned: Graph
-    run: object  # the jitted function of the user's arguments
+    jitted: object  # the jitted function of the arguments' traced leaves
     calls: list
+    outputs: tuple  # (the result's treedef, which of its leaves are traced, its static leaves)
+
+    def run(self, leaves):
+        tree, mask, static = self.outputs
+        traced, static = iter(self.jitted(*leaves)), iter(static)
+        return jax.tree.unflatten(tree, [next(traced) if m else next(static) for m in mask])
+
+
+ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+NUMBERS = (bool, int, float, complex)
+
+
+def _traced_leaves(flat) -> tuple:
+    """Which leaves of an argument (or a result) are traced: as `jax.jit` has them, its arrays
+    and Python numbers, where every leaf is one; in a tree holding other leaves (a function, a
+    string: an equinox module) its arrays only, as `equinox.filter_jit` has them (a module's
+    numbers are its configuration: a pooling's initial value must stay a constant)."""
+    plain = all(isinstance(x, ARRAYS + NUMBERS) for x in flat)
+    return tuple(isinstance(x, ARRAYS) or (plain and isinstance(x, NUMBERS)) for x in flat)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """The step's arguments as traced: per position not in `static_argnums`, its treedef and
+    which of its leaves are traced; the other leaves' values, and the static arguments."""
+
+    positions: tuple
+    trees: tuple
+    masks: tuple
+    statics: tuple
+    static_args: tuple
+
+    @staticmethod
+    def of(args, static) -> tuple[_Parts, list]:
+        positions = tuple(i for i in range(len(args)) if i not in static)
+        trees, masks, statics, leaves = [], [], [], []
+        for i in positions:
+            flat, tree = jax.tree.flatten(args[i])
+            mask = _traced_leaves(flat)
+            trees.append(tree)
+            masks.append(mask)
+            leaves += [x for x, m in zip(flat, mask, strict=True) if m]
+            statics += [x for x, m in zip(flat, mask, strict=True) if not m]
+        return _Parts(positions, tuple(trees), tuple(masks), tuple(statics),
+                      tuple((i, args[i]) for i in static if i < len(args))), leaves
+
+    def args(self, leaves) -> list:
+        """The step's arguments with these traced leaves."""
+        full = [None] * (len(self.positions) + len(self.static_args))
+        for i, a in self.static_args:
+            full[i] = a
+        traced, static = iter(leaves), iter(self.statics)
+        for i, tree, mask in zip(self.positions, self.trees, self.masks, strict=True):
+            full[i] = jax.tree.unflatten(tree, [next(traced) if m else next(static)
+                                                for m in mask])
+        return full
+
+    def counts(self) -> list[int]:
+        return [sum(mask) for mask in self.masks]
 
 
 class Jit:
@@ -166,7 +226,8 @@ class Jit:
         if kwargs:
             raise ArgumentError(f"jg.jit: pass the step's arguments by position (got keyword "
                                 f"arguments {sorted(kwargs)})")
-        return self._traced(args).run(*args)
+        parts, leaves = _Parts.of(args, self.static)
+        return self._traced(args).run(leaves)
 
     def graph(self, *args) -> Graph:
         """The step's graph for these arguments, as it runs (planned under the budget)."""
@@ -191,7 +252,7 @@ class Jit:
 
     def lower(self, *args):
         """`jax.jit(...).lower` of the step for these arguments (ahead-of-time work)."""
-        return self._traced(args).run.lower(*args)
+        return self._traced(args).jitted.lower(*_Parts.of(args, self.static)[1])
 
     # -- tracing -------------------------------------------------------------------------------
     def _key(self, args):
@@ -199,19 +260,18 @@ class Jit:
             if i >= len(args):
                 raise ArgumentError(f"jg.jit: static_argnums has {i}, but the step got "
                                     f"{len(args)} arguments")
-        dynamic = [a for i, a in enumerate(args) if i not in self.static]
-        leaves, tree = jax.tree.flatten(dynamic)
-        avals = tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)),
+        parts, leaves = _Parts.of(args, self.static)
+        avals = tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x)),
                        getattr(jax.typeof(x), "weak_type", False)) for x in leaves)
-        static = tuple(args[i] for i in self.static if i < len(args))
-        return (tree, avals, static)
+        return (parts, avals)
 
     def _traced(self, args) -> _Traced:
         key = self._key(args)
         try:
             found = self._cache.get(key)
         except TypeError:
-            raise ArgumentError("jg.jit: a static argument is not hashable") from None
+            raise ArgumentError("jg.jit: a static argument (or a leaf of an argument that is "
+                                "not an array: a function, a string) is not hashable") from None
         if found is None:
             found = self._cache[key] = self._trace(args)
             while len(self._cache) > SIGNATURES:
@@ -221,30 +281,31 @@ class Jit:
         return found
 
     def _trace(self, args) -> _Traced:
-        positions = [i for i in range(len(args)) if i not in self.static]
-        fun = self.fun
+        parts, leaves = _Parts.of(args, self.static)
+        fun, outputs = self.fun, []
 
-        def step(*dynamic):
-            full = list(args)
-            for i, a in zip(positions, dynamic, strict=True):
-                full[i] = a
-            return fun(*full)
+        def step(*traced):
+            out = fun(*parts.args(traced))
+            flat, tree = jax.tree.flatten(out)
+            mask = tuple(isinstance(x, jax.core.Tracer) or isinstance(x, ARRAYS) for x in flat)
+            outputs.append((tree, mask, tuple(x for x, m in zip(flat, mask, strict=True)
+                                              if not m)))
+            return [x for x, m in zip(flat, mask, strict=True) if m]
 
-        dynamic = [args[i] for i in positions]
         recorder = _Recorder(planned=self.budget is None)
         with recording.active(recorder):
-            graph, closed_over = trace_closure(step, *dynamic)
+            graph, closed_over = trace_closure(step, *leaves)
         if closed_over:
             raise ArgumentError("jg.jit: the step closes over values traced by an enclosing "
                                 "transform; pass them as arguments")
         donated = set(self.donate)
         roles = []
-        for i, a in zip(positions, dynamic, strict=True):
-            roles += ["opt_state" if i in donated else "data"] * len(jax.tree.leaves(a))
+        for i, n in zip(parts.positions, parts.counts(), strict=True):
+            roles += ["opt_state" if i in donated else "data"] * n
         roles = tuple("param" if v in recorder.differentiated else r
                       for v, r in zip(graph.inputs, roles, strict=True))
         unplanned = graph.replace(
-            input_roles=roles, output_roles=_output_roles(graph, roles, dynamic, positions,
+            input_roles=roles, output_roles=_output_roles(graph, roles, parts, outputs[-1],
                                                           donated),
             param_argnums=None, has_aux=False)
         order, n_out = list(range(len(unplanned.inputs))), len(unplanned.outputs)
@@ -260,21 +321,26 @@ class Jit:
             planned = remat(unplanned, budget=self.budget, target=self.target)
         else:
             planned = remat(unplanned) if unplanned.regions else unplanned
-        return _Traced(planned, unplanned, self._runner(planned, args, order, n_out, graph),
-                       recorder.calls)
+        return _Traced(planned, unplanned, self._jitted(planned, parts, order, n_out),
+                       recorder.calls, outputs[-1])
 
-    def _runner(self, graph: Graph, args, order, n_out: int, step: Graph):
-        """The jitted function of the user's arguments: their leaves in `order` are the graph's
-        inputs, the last `n_out` of its outputs the step's results (in `step`'s structure)."""
-        positions = [i for i in range(len(args)) if i not in self.static]
-        out_tree = step.out_tree
+    def _jitted(self, graph: Graph, parts: _Parts, order, n_out: int):
+        """`jax.jit` of the graph as a function of the arguments' traced leaves (in `order` the
+        graph's inputs), returning the last `n_out` of its outputs (the step's traced results);
+        a donated argument's leaves donated."""
+        donate, start = [], 0
+        for i, n in zip(parts.positions, parts.counts(), strict=True):
+            if i in self.donate:
+                donate += range(start, start + n)
+            start += n
+        options = {k: v for k, v in self.jit_kwargs.items()
+                   if k not in ("static_argnums", "donate_argnums")}
 
-        def run(*call_args):
-            leaves = jax.tree.leaves([call_args[i] for i in positions])
+        def run(*leaves):
             outs = Lowering().run(graph, *[leaves[k] for k in order])
-            return jax.tree.unflatten(out_tree, outs[len(outs) - n_out:])
+            return outs[len(outs) - n_out:]
 
-        return jax.jit(run, **self.jit_kwargs)
+        return jax.jit(run, donate_argnums=tuple(donate), **options)
 
 
 def _joint_and_tail(step: Graph, spliced) -> tuple[Graph, list] | None:
@@ -333,32 +399,36 @@ def _joint_and_tail(step: Graph, spliced) -> tuple[Graph, list] | None:
     return without_grads(whole, placeholder=True), order
 
 
-def _output_roles(graph: Graph, roles, dynamic, positions, donated) -> tuple:
+def _output_roles(graph: Graph, roles, parts: _Parts, outputs, donated) -> tuple:
     """Each output's role: the new value of a donated argument's leaf (`new_param`,
     `new_opt_state`) where the step returns that argument's tree (one of its results, in the
     argument's structure, shapes and dtypes: `return params, opt_state, loss`, a flax
     `TrainState`), else a metric. New values keep their inputs' order, as `jg.fuse_updates`
     pairs them."""
     out_roles = ["metric"] * len(graph.outputs)
-    results = graph.out_tree.children() if graph.out_tree.num_nodes > 1 and \
-        graph.out_tree.children() else [graph.out_tree]
-    if len(results) == 1 and results[0] != graph.out_tree:
-        results = [graph.out_tree]
-    starts = [sum(t.num_leaves for t in results[:j]) for j in range(len(results))]
+    tree, mask, _ = outputs
+    results = tree.children() if tree.num_nodes > 1 and tree.children() else [tree]
+    if len(results) == 1 and results[0] != tree:
+        results = [tree]
+    groups, leaf, traced = [], 0, 0  # per result: (treedef, mask, first traced output)
+    for t in results:
+        m = mask[leaf:leaf + t.num_leaves]
+        groups.append((t, m, traced))
+        leaf, traced = leaf + t.num_leaves, traced + sum(m)
     first, used = 0, set()
-    for i, a in zip(positions, dynamic, strict=True):
-        tree, n = jax.tree.structure(a), len(jax.tree.leaves(a))
+    for i, t_in, m_in in zip(parts.positions, parts.trees, parts.masks, strict=True):
+        n = sum(m_in)
         if i in donated:
             inputs = graph.inputs[first:first + n]
-            for j, t in enumerate(results):
-                outs = graph.outputs[starts[j]:starts[j] + n]
-                if j in used or t != tree or [getattr(o, "aval", None) for o in outs] != [
-                        v.aval for v in inputs]:
+            for j, (t, m, start) in enumerate(groups):
+                outs = graph.outputs[start:start + n]
+                if j in used or t != t_in or m != m_in or [
+                        getattr(o, "aval", None) for o in outs] != [v.aval for v in inputs]:
                     continue
                 used.add(j)
                 for k, r in enumerate(roles[first:first + n]):
                     if r in ("param", "opt_state"):
-                        out_roles[starts[j] + k] = "new_" + r
+                        out_roles[start + k] = "new_" + r
                 break
         first += n
     return tuple(out_roles)
