@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax._src import ad_util, custom_derivatives, hijax, xla_bridge
 from jax._src import core as jax_core
 from jax._src.core import NamedAxisEffect
-from jax._src.interpreters import ad
+from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import windowed_reductions
 from jax._src.lax.control_flow import loops
@@ -203,6 +203,19 @@ def call_user_bwd(bwd, *args):
     return bwd.call_wrapped(*args)
 
 
+# The rules of a primitive of jgraph's own (`jg.jit`'s gradient call, `jgraph.dropin.jit`) under
+# `jax.vmap` and `jax.jvp`: JAX has no public way to give a primitive its batching and JVP rules.
+def define_batching(primitive, rule) -> None:
+    batching.primitive_batchers[primitive] = rule
+
+
+def define_jvp(primitive, rule) -> None:
+    ad.primitive_jvps[primitive] = rule
+
+
+instantiate_zeros = ad.instantiate_zeros
+
+
 def check() -> None:
     """Raise ImportError naming any internal symbol jgraph relies on that this JAX lacks."""
     needed = {
@@ -220,6 +233,8 @@ def check() -> None:
         "jax._src.interpreters.partial_eval.dce_jaxpr": (pe, "dce_jaxpr"),
         "jax._src.interpreters.ad.CustomVJPException": (getattr(custom_derivatives, "ad", None),
                                                         "CustomVJPException"),
+        "jax._src.interpreters.batching.primitive_batchers": (batching, "primitive_batchers"),
+        "jax._src.interpreters.ad.primitive_jvps": (ad, "primitive_jvps"),
         "jax.ad_checkpoint.Saveable": (jax.ad_checkpoint, "Saveable"),
         "jax.ad_checkpoint.Offloadable": (jax.ad_checkpoint, "Offloadable"),
     }

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import ad, batching
 
+from jgraph import _jax_internals as internals
 from jgraph.builder import Builder, handler
 from jgraph.dropin import recording
 from jgraph.dropin.arguments import ArgumentError
@@ -81,12 +81,12 @@ def _batched(args, dims, *, held):
 
 def _jvp(primals, tangents, *, held):
     """Under `jax.jvp` / `jax.grad` of the step: the call's graph differentiated as JAX ops."""
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    tangents = [internals.instantiate_zeros(t) for t in tangents]
     return jax.jvp(_run_graph(held), list(primals), tangents)
 
 
-batching.primitive_batchers[grad_call_p] = _batched
-ad.primitive_jvps[grad_call_p] = _jvp
+internals.define_batching(grad_call_p, _batched)
+internals.define_jvp(grad_call_p, _jvp)
 
 
 @handler("jgraph_grad_call")

@@ -293,9 +293,8 @@ def _ys_stacks(ops: Ops, scan: Eqn) -> tuple:
     first: a stack lives from the start of the program (the scan writes it in place)."""
     stacks = []
     for y in scan.outputs[scan.params["num_carry"]:]:
-        out = Var(y.aval)
-        _emit(ops, Eqn("scan_stack", (), {}, (out,), scan.tags, scan.regions, scan.source),
-              scan)
+        out = Var(y.aval)  # (no eqn of the graph's: a report places the scan where it runs)
+        ops.eqns.append(Eqn("scan_stack", (), {}, (out,), scan.tags, scan.regions, scan.source))
         stacks.append(out)
     return tuple(stacks)
 
