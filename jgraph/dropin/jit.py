@@ -13,14 +13,25 @@ update, metrics, an EMA of the params): `step.graph(*args)` shows it. With `budg
 plans that graph whole (on `target`'s compiler, DESIGN §5); the gradients never leave it.
 
 Roles: the leaves a gradient call differentiates are params; the other leaves of donated
-arguments are state (`opt_state`, donated when jgraph measures the step); the rest data. Every
-output is a metric: jax.jit's rule, the first donated argument of the same shape and dtype, says
-which donated buffer each is written into.
+arguments are state (`opt_state`, donated when jgraph measures the step); the rest data. A
+result in a donated argument's tree (`return params, opt_state, loss`, a new `TrainState`) is
+that argument's new value (`new_param`, `new_opt_state`: the planner fuses updates into the
+backward there); other results are metrics.
 
-The step runs as one `jax.jit` of the planned graph, with the user's `donate_argnums`,
-`static_argnums` and other `jax.jit` options passed through; `step.lower(*args)` lowers it.
-A step that differentiates with `jax.grad` / `jax.value_and_grad` has no backward of jgraph's to
-plan: with a budget that is an error naming the fix (`jg.value_and_grad`, the same signature).
+Where the step's one gradient call reads the step's own arguments (the usual step), the graph
+the planner gets is in its own form of a step (`_joint_and_tail`): the joint graph `jg.backward`
+returned, inputs first and its record kept, the step's eqns after it, the gradients left out;
+so it derives the joint again for loop modes and runs the loss head in chunks, as it does for
+`jg.Optimizer`'s step. Any other step is planned as traced.
+
+An argument's arrays and Python numbers are traced, as under `jax.jit`; where the argument
+holds other leaves (an equinox module's functions) its arrays only, the rest static, as under
+`equinox.filter_jit`. The step runs as one `jax.jit` of the planned graph over the traced leaves,
+a donated argument's leaves donated, the user's other `jax.jit` options passed through;
+`step.lower(*args)` lowers it. A gradient call under `jax.vmap` or `jax.jvp` inside the step runs
+under it, unspliced. A step that differentiates with `jax.grad` / `jax.value_and_grad` has no
+backward of jgraph's to plan: with a budget that is an error naming the fix (`jg.value_and_grad`,
+the same signature).
 """
 
 from __future__ import annotations
