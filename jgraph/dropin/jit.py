@@ -114,6 +114,7 @@ def _splice(b: Builder, eqn, inputs):
     def read(a):
         return env.get(a, a) if isinstance(a, Var) else a
 
+    first = len(b.eqns)
     for e in graph.eqns:
         outs = tuple(Var(v.aval) for v in e.outputs)
         env.update(zip(e.outputs, outs, strict=True))
@@ -122,7 +123,7 @@ def _splice(b: Builder, eqn, inputs):
     b.new_regions.extend(graph.regions)
     outputs = [read(a) for a in graph.outputs]
     if recorder is not None:
-        recorder.spliced.append((graph, list(inputs), outputs))
+        recorder.spliced.append((graph, list(inputs), outputs, b.eqns[first:]))
     return outputs
 
 
@@ -133,7 +134,7 @@ class _Recorder:
     planned: bool  # each call's joint graph with its own regions applied (no budget of the step's)
     calls: list = field(default_factory=list)  # the transforms' names, in call order
     differentiated: set = field(default_factory=set)  # the step's inputs the calls differentiate
-    spliced: list = field(default_factory=list)  # (joint graph, its input atoms, its outputs)
+    spliced: list = field(default_factory=list)  # (joint, its input atoms, outputs, its eqns)
 
     def grad_call(self, transform, call, thunk):
         if not self.planned and transform.budget is not None:
@@ -363,31 +364,24 @@ def _joint_and_tail(step: Graph, spliced) -> tuple[Graph, list] | None:
     (The graph, the order of the step's flat inputs as its inputs) or None."""
     if len(spliced) != 1:
         return None
-    joint, atoms, outs = spliced[0]
+    joint, atoms, outs, copied = spliced[0]
     position = {v: k for k, v in enumerate(step.inputs)}
-    if "backward_of" not in joint.info and joint.info.get("forward") is None and \
-            not any("backward" in e.tags for e in joint.eqns):
+    if not any("backward" in e.tags for e in joint.eqns):
         return None
     if not all(isinstance(a, Var) and a in position for a in atoms) or len(set(atoms)) != len(
             atoms):
         return None
+    copied = set(map(id, copied))
+    if sum(id(e) in copied for e in step.eqns) != len(copied):  # inside a loop body, a branch
+        return None
     mine = {v for v in outs if isinstance(v, Var)}
-    produced = {v for e in step.eqns for v in e.outputs}
-    if not mine <= produced:  # spliced inside a loop body or a branch
-        return None
-    # the spliced copy: the joint's eqns, ending with the last eqn writing one of its outputs
-    ends = [i for i, e in enumerate(step.eqns) if any(v in mine for v in e.outputs)]
-    if not ends or ends[-1] + 1 < len(joint.eqns):
-        return None
-    end = ends[-1] + 1
-    start = end - len(joint.eqns)
-    if [e.op for e in step.eqns[start:end]] != [e.op for e in joint.eqns]:
-        return None
-    inside = {v for e in step.eqns[start:end] for v in e.outputs} - mine
+    inside = {v for e in step.eqns if id(e) in copied for v in e.outputs} - mine
     subst = dict(zip(atoms, joint.inputs, strict=True))
     subst.update((o, j) for o, j in zip(outs, joint.outputs, strict=True) if isinstance(o, Var))
     tail = []
-    for e in step.eqns[:start] + step.eqns[end:]:
+    for e in step.eqns:
+        if id(e) in copied:
+            continue
         if any(isinstance(a, Var) and a in inside for a in e.inputs):
             return None  # the step reads a value inside the gradient call
         tail.append(Eqn(e.op, tuple(subst.get(a, a) if isinstance(a, Var) else a
