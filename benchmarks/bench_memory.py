@@ -21,10 +21,11 @@ from the one calibration compile of its unplanned step. On TPU (ahead of time, `
 of `reference/tpu-figures.md` (d 1024, batch 4096 and 16384) and the scanned LM at vocab 4096
 (batch 16 and 64). The issue's bar: every error within 10 %.
 
-    python -m benchmarks.bench_memory --target cpu|tpu [--quick] [--all]
+    python -m benchmarks.bench_memory --target cpu|tpu [--quick] [--all] [--models NAME,...]
 
 `--all` on TPU adds `bench_planner`'s models, the unseen graphs and the real-model suite (their
-plans as on CPU, the planner's at 50 %): about an hour of compiles.
+plans as on CPU, the planner's at 50 %): about two hours of compiles. `--models` keeps the models
+named by the comma-separated words or whose name contains one (a long run resumed where it stopped).
 """
 
 from __future__ import annotations
@@ -316,9 +317,11 @@ def _real_models():
             for m in real_models.MODELS}
 
 
-def target_rows(platform: str, quick: bool = False, everything: bool = False):
+def target_rows(platform: str, quick: bool = False, everything: bool = False,
+                models: tuple[str, ...] = ()):
     """(model, plan, predicted, compiled) per model and plan on the target; on TPU with
-    `everything`, `bench_planner`'s models and the real-model suite too."""
+    `everything`, `bench_planner`'s models and the real-model suite too; with `models`, the
+    models whose name contains one of them."""
     from benchmarks.bench_planner import models as planner_models
     from jgraph.target import resolve
 
@@ -336,6 +339,9 @@ def target_rows(platform: str, quick: bool = False, everything: bool = False):
         found = {**planner_models(), **_unseen_models(), **_real_models()}
         if quick:
             found = {k: found[k] for k in ("chain32", "transformer6", "scan64")}
+    if models:
+        found = {k: v for k, v in found.items()  # a whole name is that model alone
+                 if any(m == k or (m in k and m not in found) for m in models)}
     for name, (fn, args, hand) in found.items():
         has_aux = hand.pop("has_aux", False) if "has_aux" in hand else False
         traced = jg.backward(jg.trace(fn, *args, param_argnums=0, has_aux=has_aux))
@@ -363,11 +369,12 @@ def target_rows(platform: str, quick: bool = False, everything: bool = False):
             yield name, plan_name, predicted, compiled, took
 
 
-def print_target_rows(platform: str, quick: bool, everything: bool = False) -> None:
+def print_target_rows(platform: str, quick: bool, everything: bool = False,
+                      models: tuple[str, ...] = ()) -> None:
     print(f"| model | plan | predicted | {platform}'s figure | error | predicted in |")
     print("|---|---|---|---|---|---|")
     errors = []
-    for name, plan, predicted, compiled, took in target_rows(platform, quick, everything):
+    for name, plan, predicted, compiled, took in target_rows(platform, quick, everything, models):
         error = predicted / compiled - 1 if compiled else float(predicted != 0)
         errors.append(abs(error))
         print(f"| {name} | {plan} | {_size(predicted)} | {_size(compiled)} | {error:+.1%} | "
@@ -379,8 +386,9 @@ def print_target_rows(platform: str, quick: bool, everything: bool = False) -> N
 
 if __name__ == "__main__":
     if "--target" in sys.argv:
+        models = sys.argv[sys.argv.index("--models") + 1] if "--models" in sys.argv else ""
         print_target_rows(sys.argv[sys.argv.index("--target") + 1], "--quick" in sys.argv,
-                          "--all" in sys.argv)
+                          "--all" in sys.argv, tuple(filter(None, models.split(","))))
         sys.exit(0)
     table = rows(quick="--quick" in sys.argv)
     for row in table:
