@@ -1,10 +1,12 @@
-"""The four drop-in examples (`examples/flax_linen.py`, `flax_nnx.py`, `haiku.py`, `equinox.py`).
+"""The drop-in examples: the four tutorial loops (`examples/flax_linen.py`, `flax_nnx.py`,
+`haiku.py`, `equinox.py`), the flax `nn.scan` LM (`flax_scan_lm.py`), and their `jg.jit` twins.
 
-Each is its library's tutorial training loop with one line changed to a jgraph transform. The test
-undoes that line (the library's own transform again), checks the two sources differ in that line
-only, runs both for 20 steps on the digits and compares the trained parameters: relative error
-<= 1e-5 per leaf. It also checks that the jgraph version did trace through jgraph and that the
-training moved the parameters (the comparison is not of two untrained models).
+Each is a library's training loop with one line changed to a jgraph transform. The test undoes
+that line (the library's own transform again), checks the two sources differ in that line only,
+runs both for 20 steps (the digits, the LM's synthetic tokens) and compares the trained
+parameters: relative error <= 1e-5 per leaf. It also checks that the jgraph version did trace
+through jgraph and that the training moved the parameters (the comparison is not of two untrained
+models). The twins change two lines (`jg.jit`, and the transform) and are compared bitwise.
 """
 
 from pathlib import Path
@@ -23,6 +25,7 @@ STEPS = 20
 # example -> (the jgraph call in it, the library's call it replaces, the trained params)
 CASES = {
     "flax_linen": ("jg.value_and_grad(", "jax.value_and_grad(", lambda out: out[0].params),
+    "flax_scan_lm": ("jg.value_and_grad(", "jax.value_and_grad(", lambda out: out[0].params),
     "flax_nnx": ("jg.value_and_grad(", "nnx.value_and_grad(",
                  lambda out: nnx.state(out[0], nnx.Param)),
     "haiku": ("jg.grad(", "jax.grad(", lambda out: out[0]),
@@ -77,11 +80,24 @@ JIT_CASES = {
     "flax_linen_jit": ((('@jg.jit(budget="95%", donate_argnums=0)', "@jax.jit"),
                         ("jg.value_and_grad(", "jax.value_and_grad(")),
                        lambda out: out[0].params),
+    "flax_scan_lm_jit": ((('@jg.jit(budget="99%", donate_argnums=0)', "@jax.jit"),
+                          ("jg.value_and_grad(", "jax.value_and_grad(")),
+                         lambda out: out[0].params),
     "haiku_jit": ((('@jg.jit(budget="95%", donate_argnums=(0, 1))', "@jax.jit"),
                    ("jg.grad(", "jax.grad(")), lambda out: out[0]),
     "equinox_jit": ((('@jg.jit(budget="95%", donate_argnums=(0, 1))', "@eqx.filter_jit"),
                      ("jg.filter_value_and_grad(", "eqx.filter_value_and_grad(")),
                     lambda out: eqx.filter(out[0], eqx.is_array)),
+}
+
+
+# twin -> what its plan must do, read from `info["remat"]` of each signature it traced, so the
+# bitwise comparison is not of a step the budget left as it was
+PLANS = {
+    # adam's update of every param (20 leaves) moved into the backward scan, nothing
+    # recomputed: no sum changes (recomputing the block's muls and exps would, on XLA:CPU)
+    "flax_scan_lm_jit": lambda report: (len(report.get("fused", ())) == 20
+                                        and report["recompute_flops"] == 0),
 }
 
 
@@ -103,9 +119,13 @@ def test_whole_step_twin_trains_like_its_library(name, monkeypatch):
 
     traces = []
     original = Jit._trace
-    monkeypatch.setattr(Jit, "_trace", lambda self, args: traces.append(1) or original(self, args))
+    monkeypatch.setattr(Jit, "_trace",
+                        lambda self, args: traces.append(original(self, args)) or traces[-1])
     jg_params = params_of(load(path, ours)["train"](steps=STEPS))
     assert traces, "the example did not run its step through jg.jit"
+    if name in PLANS:
+        reports = [t.graph.info["remat"] for t in traces]
+        assert all(PLANS[name](r) for r in reports), reports
     lib_params = params_of(load(path, theirs)["train"](steps=STEPS))
     initial = params_of(load(path, theirs)["train"](steps=0))
     got, want, start = (jax.tree.leaves(t) for t in (jg_params, lib_params, initial))
