@@ -43,10 +43,9 @@ fuse. What `nnx.jit` allows and this does not is an error: a step that changes a
 structure (adds or removes a Variable or a submodule), or returns an NNX object. `flax.nnx` is
 never imported here: an NNX object exists only where the user has imported it.
 
-A gradient call under `jax.vmap` or `jax.jvp` inside the step runs
-under it, unspliced. A step that differentiates with `jax.grad` / `jax.value_and_grad` has no
-backward of jgraph's to plan: with a budget that is an error naming the fix (`jg.value_and_grad`,
-the same signature).
+A gradient call under `jax.vmap` or `jax.jvp` inside the step runs under it, unspliced. A step
+that differentiates with `jax.grad` / `jax.value_and_grad` has no backward of jgraph's to plan:
+with a budget that is an error naming the fix (`jg.value_and_grad`, the same signature).
 """
 
 from __future__ import annotations
@@ -292,8 +291,8 @@ def _split_nodes(args, static) -> tuple[list, tuple]:
     if not nodes:
         return pure, ()
     graphdef, state = nnx.split(tuple(nodes))
-    return pure + [_NodeState(graphdef, o, _part(state, k)) for k, o in enumerate(owners)], tuple(
-        nodes)
+    pure += [_NodeState(graphdef, o, _part(state, k)) for k, o in enumerate(owners)]
+    return pure, tuple(nodes)
 
 
 def _is_node(x) -> bool:
