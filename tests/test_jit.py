@@ -342,3 +342,134 @@ def test_numbers_are_traced_and_a_modules_other_leaves_are_static():
     for lr in (0.1, 0.2):
         _equal(jitted(ws, x, lr, model), reference(ws, x, lr, model["scale"]))
     assert len(traces) == 2  # one trace each: the new learning rate is a traced value
+
+
+class _NnxMLP:
+    """A small flax NNX model, its loss, and the tutorial's step written with a given `jit` and
+    `value_and_grad` (`nnx.jit` / `nnx.value_and_grad`, or jgraph's)."""
+
+    @staticmethod
+    def objects(nnx):
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.layers = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(3)])
+                self.head = nnx.Linear(32, 4, rngs=rngs)
+
+            def __call__(self, x):
+                for layer in self.layers:
+                    x = jnp.tanh(layer(x))
+                return self.head(x)
+
+        model = MLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                                  loss=nnx.metrics.Average("loss"))
+        return model, optimizer, metrics
+
+    @staticmethod
+    def step(jit, value_and_grad):
+        def loss_fn(model, x, y):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+
+        @jit
+        def train_step(model, optimizer, metrics, x, y):
+            (value, logits), grads = value_and_grad(loss_fn, has_aux=True)(model, x, y)
+            metrics.update(loss=value, logits=logits, labels=y)
+            optimizer.update(model, grads)
+        return train_step
+
+
+def _batch(n=64):
+    rng = np.random.default_rng(2)
+    return (jnp.asarray(rng.standard_normal((n, 32)), F32),
+            jnp.asarray(rng.integers(0, 4, n), jnp.int32))
+
+
+@pytest.mark.filterwarnings("ignore::jgraph.BudgetWarning")
+@pytest.mark.parametrize("budget", [None, "95%"])
+def test_an_nnx_step_updates_its_objects_in_place_as_nnx_jit_does(budget):
+    """The NNX tutorial's step: the model, the `nnx.Optimizer` and the `nnx.MultiMetric` are
+    split into states (donated), and updated in place after each call, bitwise as `nnx.jit`
+    with `nnx.value_and_grad` updates them."""
+    nnx = pytest.importorskip("flax.nnx")
+    x, y = _batch()
+    traces = []
+    step = _NnxMLP.step(lambda f: jg.jit(lambda *a: traces.append(1) or f(*a), budget=budget,
+                                         donate_argnums=(0, 1, 2)), jg.value_and_grad)
+    reference = _NnxMLP.step(lambda f: nnx.jit(f, donate_argnums=(0, 1, 2)),
+                             nnx.value_and_grad)
+    mine, theirs = _NnxMLP.objects(nnx), _NnxMLP.objects(nnx)
+    kernel = mine[0].head.kernel
+    for _ in range(3):
+        assert step(*mine, x, y) is None
+        reference(*theirs, x, y)
+    assert len(traces) == 1 and mine[0].head.kernel is kernel  # the caller's objects, in place
+    for a, b in zip(mine, theirs, strict=True):
+        _equal(nnx.state(a), nnx.state(b))
+    assert int(mine[1].step[...]) == 3
+    _equal(mine[2].compute(), theirs[2].compute())
+
+    graph = step.graph(*mine, x, y)
+    n_params = len(jax.tree.leaves(nnx.state(mine[0], nnx.Param)))
+    assert graph.input_roles.count("param") == graph.output_roles.count("new_param") == n_params
+    n_state = len(jax.tree.leaves(nnx.state(mine[1:])))
+    assert graph.input_roles.count("opt_state") == n_state
+    assert graph.output_roles.count("new_opt_state") == n_state
+
+
+def test_a_non_donated_nnx_argument_is_written_back():
+    """As `nnx.jit`: an NNX object the step mutates is updated in place donated or not, in a
+    container beside arrays too; an object reached from two arguments is one object."""
+    nnx = pytest.importorskip("flax.nnx")
+    x, _ = _batch()
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+            self.total = nnx.BatchStat(jnp.zeros((), F32))
+
+    def make(jit, grad):
+        @jit
+        def step(model, stats, ema):
+            grads = grad(lambda m: jnp.mean(m(x) ** 2))(model)
+            stats["counter"].calls[...] += 1
+            stats["counter"].total[...] += stats["scale"] * jnp.sum(grads.head.kernel[...])
+            ema[...] = 0.9 * ema[...] + 0.1 * model.head.bias[...]
+            stats["optimizer"].update(model, grads)
+            return stats["shared"].head.bias[...]  # the model itself, reached from `stats`
+        return step
+
+    def fresh():
+        model = _NnxMLP.objects(nnx)[0]
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        return (model, {"counter": Counter(), "scale": jnp.float32(2.0), "shared": model,
+                        "optimizer": optimizer}, nnx.Variable(jnp.zeros(4, F32)))
+
+    step, reference = make(jg.jit, jg.grad), make(nnx.jit, nnx.grad)
+    mine, theirs = fresh(), fresh()
+    for _ in range(3):
+        got, want = step(*mine), reference(*theirs)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(mine[1]["counter"].calls[...]) == 3
+    _equal(nnx.state(mine[:2]), nnx.state(theirs[:2]))
+    _equal(mine[2][...], theirs[2][...])
+    assert float(jnp.max(jnp.abs(mine[2][...]))) > 0  # the ema moved
+    assert mine[1]["shared"] is mine[0]
+
+
+def test_what_nnx_jit_allows_and_jg_jit_does_not_is_a_clear_error():
+    """A step that changes an NNX object's structure (a Variable added), or that returns an NNX
+    object: `nnx.jit` runs both, `jg.jit` names what it does not support."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    def grows(model):
+        model.extra = nnx.BatchStat(jnp.zeros(()))
+
+    def returns(model):
+        return model
+
+    for fun, message in ((grows, "changed the structure"), (returns, "returns an NNX object")):
+        nnx.jit(fun)(_NnxMLP.objects(nnx)[0])
+        with pytest.raises(ArgumentError, match=message):
+            jg.jit(fun)(_NnxMLP.objects(nnx)[0])

@@ -28,15 +28,30 @@ An argument's arrays and Python numbers are traced, as under `jax.jit`; where th
 holds other leaves (an equinox module's functions) its arrays only, the rest static, as under
 `equinox.filter_jit`. The step runs as one `jax.jit` of the planned graph over the traced leaves,
 a donated argument's leaves donated, the user's other `jax.jit` options passed through;
-`step.lower(*args)` lowers it. A gradient call under `jax.vmap` or `jax.jvp` inside the step runs
-under it, unspliced. A step that differentiates with `jax.grad` / `jax.value_and_grad` has no
-backward of jgraph's to plan: with a budget that is an error naming the fix (`jg.value_and_grad`,
-the same signature).
+`step.lower(*args)` lowers it.
+
+Flax NNX objects (an `nnx.Module`, `nnx.Optimizer`, `nnx.MultiMetric`, an `nnx.Variable`: anything
+`flax.nnx` splits) in the arguments are handled as `nnx.jit` handles them (`_split_nodes`): they
+are split together (`nnx.split`, shared Variables once), each object's place in its argument
+left as a `_NodeRef`, and each object's state appended as an argument of its own, donated where
+its argument is. The step runs on objects merged from those states (`nnx.merge`, one graphdef,
+static); after it the objects are split again, their states returned ahead of the step's
+results, and the caller's objects updated in place (`nnx.update`), donated or not. So the
+model's arrays the gradient call differentiates are params, the optimizer's and the metrics'
+arrays state, and `optimizer.update(model, grads)` in the step is the update the planner may
+fuse. What `nnx.jit` allows and this does not is an error: a step that changes an object's
+structure (adds or removes a Variable or a submodule), or returns an NNX object. `flax.nnx` is
+never imported here: an NNX object exists only where the user has imported it.
+
+A gradient call under `jax.vmap` or `jax.jvp` inside the step runs under it, unspliced. A step
+that differentiates with `jax.grad` / `jax.value_and_grad` has no backward of jgraph's to plan:
+with a budget that is an error naming the fix (`jg.value_and_grad`, the same signature).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 
 import jax
@@ -216,6 +231,108 @@ class _Parts:
         return [sum(mask) for mask in self.masks]
 
 
+def _nnx():
+    """`flax.nnx` where the user has imported it (no NNX object exists before that), else None."""
+    return sys.modules.get("flax.nnx")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True)
+class _NodeRef:
+    """Where an NNX object stood in an argument: no leaves, the object's number as aux data."""
+
+    index: int
+
+    def tree_flatten(self):
+        return (), self.index
+
+    @classmethod
+    def tree_unflatten(cls, index, _):
+        return cls(index)
+
+
+@jax.tree_util.register_pytree_node_class
+class _NodeState:
+    """An NNX object's state as an argument of the step (its arrays traced); static: the
+    graphdef of all the step's NNX objects, and the position of the argument holding it."""
+
+    def __init__(self, graphdef, owner: int, state):
+        self.graphdef, self.owner, self.state = graphdef, owner, state
+
+    def tree_flatten(self):
+        return (self.state,), (self.graphdef, self.owner)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*aux, children[0])
+
+
+def _split_nodes(args, static) -> tuple[list, tuple]:
+    """The step's arguments with their NNX objects split out (module docstring), and the
+    objects, in the order of the appended states."""
+    nnx = _nnx()
+    if nnx is None:
+        return list(args), ()
+    pure, nodes, owners, number = list(args), [], [], {}
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        flat, tree = jax.tree.flatten(a, is_leaf=_is_node)
+        if not any(map(_is_node, flat)):
+            continue
+        for j, x in enumerate(flat):
+            if _is_node(x):
+                if id(x) not in number:
+                    number[id(x)] = len(nodes)
+                    nodes.append(x)
+                    owners.append(i)
+                flat[j] = _NodeRef(number[id(x)])
+        pure[i] = jax.tree.unflatten(tree, flat)
+    if not nodes:
+        return pure, ()
+    graphdef, state = nnx.split(tuple(nodes))
+    pure += [_NodeState(graphdef, o, _part(state, k)) for k, o in enumerate(owners)]
+    return pure, tuple(nodes)
+
+
+def _is_node(x) -> bool:
+    nnx = _nnx()
+    return nnx is not None and isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def _part(state, k: int):
+    """Object k's state in the state `nnx.split` made of a tuple of objects (empty where the
+    object has none, or its Variables are all another's, shared)."""
+    return state[k] if k in state else _nnx().State({})
+
+
+def _whole(states) -> object:
+    return _nnx().State({k: s.state for k, s in enumerate(states)})
+
+
+def _with_nodes(fun, args, n: int):
+    """`fun` on the step's arguments with the NNX objects merged from their states (the last
+    `n` arguments), returning the objects' new states and `fun`'s result."""
+    nnx, states = _nnx(), args[len(args) - n:]
+    graphdef = states[0].graphdef
+    objects = nnx.merge(graphdef, _whole(states))
+    out = fun(*[jax.tree.map(lambda x: objects[x.index] if isinstance(x, _NodeRef) else x, a,
+                             is_leaf=lambda x: isinstance(x, _NodeRef))
+                for a in args[:len(args) - n]])
+    if any(map(_is_node, jax.tree.leaves(out, is_leaf=_is_node))):
+        raise ArgumentError("jg.jit: the step returns an NNX object, which nnx.jit allows and "
+                            "jg.jit does not; return its state (nnx.state(obj)), or pass the "
+                            "object as an argument: jg.jit updates it in place")
+    new_graphdef, new_state = nnx.split(objects)
+    if new_graphdef != graphdef:
+        raise ArgumentError("jg.jit: the step changed the structure of an NNX argument (added or "
+                            "removed a Variable or a submodule, or changed a static attribute), "
+                            "which nnx.jit allows and jg.jit does not (it writes back an object's "
+                            "values only); make the change outside the step")
+    return tuple(_NodeState(graphdef, s.owner, _part(new_state, k))
+                 for k, s in enumerate(states)), out
+
+
 class Jit:
     """The transform `jg.jit(fun, ...)` returns."""
 
@@ -238,19 +355,25 @@ class Jit:
         if kwargs:
             raise ArgumentError(f"jg.jit: pass the step's arguments by position (got keyword "
                                 f"arguments {sorted(kwargs)})")
+        args, nodes = _split_nodes(args, self.static)
         parts, leaves = _Parts.of(args, self.static)
-        return self._traced(args).run(leaves)
+        result = self._traced(args).run(leaves)
+        if not nodes:
+            return result
+        states, out = result
+        _nnx().update(nodes, _whole(states))  # as nnx.jit: the caller's objects, in place
+        return out
 
     def graph(self, *args) -> Graph:
         """The step's graph for these arguments, as it runs (planned under the budget)."""
-        return self._traced(args).graph
+        return self._traced(_split_nodes(args, self.static)[0]).graph
 
     def info(self, *args) -> dict:
         """What was traced and planned: the gradient calls spliced, the plan (`jg.remat`'s
         report, with the budget's figure and XLA's, and `fused`: the params whose update moved
         into the backward), the roles of the inputs, and `updates`: why updates were not fused
         (None where they could be)."""
-        traced = self._traced(args)
+        traced = self._traced(_split_nodes(args, self.static)[0])
         graph = traced.graph
         updates = None
         if not any(r.startswith("new_") for r in graph.output_roles):
@@ -264,6 +387,7 @@ class Jit:
 
     def lower(self, *args):
         """`jax.jit(...).lower` of the step for these arguments (ahead-of-time work)."""
+        args = _split_nodes(args, self.static)[0]
         return self._traced(args).jitted.lower(*_Parts.of(args, self.static)[1])
 
     # -- tracing -------------------------------------------------------------------------------
@@ -293,11 +417,14 @@ class Jit:
         return found
 
     def _trace(self, args) -> _Traced:
+        """Trace the step for these arguments (NNX objects split out: `_split_nodes`)."""
         parts, leaves = _Parts.of(args, self.static)
         fun, outputs = self.fun, []
+        nodes = sum(isinstance(a, _NodeState) for a in args)
 
         def step(*traced):
-            out = fun(*parts.args(traced))
+            full = parts.args(traced)
+            out = _with_nodes(fun, full, nodes) if nodes else fun(*full)
             flat, tree = jax.tree.flatten(out)
             mask = tuple(isinstance(x, jax.core.Tracer) or isinstance(x, ARRAYS) for x in flat)
             outputs.append((tree, mask, tuple(x for x, m in zip(flat, mask, strict=True)
@@ -310,7 +437,8 @@ class Jit:
         if closed_over:
             raise ArgumentError("jg.jit: the step closes over values traced by an enclosing "
                                 "transform; pass them as arguments")
-        donated = set(self.donate)
+        donated = {i for i in parts.positions if i in self.donate or (
+            isinstance(args[i], _NodeState) and args[i].owner in self.donate)}
         roles = []
         for i, n in zip(parts.positions, parts.counts(), strict=True):
             roles += ["opt_state" if i in donated else "data"] * n
@@ -318,7 +446,7 @@ class Jit:
                       for v, r in zip(graph.inputs, roles, strict=True))
         unplanned = graph.replace(
             input_roles=roles, output_roles=_output_roles(graph, roles, parts, outputs[-1],
-                                                          donated),
+                                                          donated, nodes),
             param_argnums=None, has_aux=False)
         order, n_out = list(range(len(unplanned.inputs))), len(unplanned.outputs)
         if self.budget is not None:
@@ -333,16 +461,16 @@ class Jit:
             planned = remat(unplanned, budget=self.budget, target=self.target)
         else:
             planned = remat(unplanned) if unplanned.regions else unplanned
-        return _Traced(planned, unplanned, self._jitted(planned, parts, order, n_out),
+        return _Traced(planned, unplanned, self._jitted(planned, parts, order, n_out, donated),
                        recorder.calls, outputs[-1])
 
-    def _jitted(self, graph: Graph, parts: _Parts, order, n_out: int):
+    def _jitted(self, graph: Graph, parts: _Parts, order, n_out: int, donated):
         """`jax.jit` of the graph as a function of the arguments' traced leaves (in `order` the
         graph's inputs), returning the last `n_out` of its outputs (the step's traced results);
         a donated argument's leaves donated."""
         donate, start = [], 0
         for i, n in zip(parts.positions, parts.counts(), strict=True):
-            if i in self.donate:
+            if i in donated:
                 donate += range(start, start + n)
             start += n
         options = {k: v for k, v in self.jit_kwargs.items()
@@ -404,17 +532,26 @@ def _joint_and_tail(step: Graph, spliced) -> tuple[Graph, list] | None:
     return without_grads(whole, placeholder=True), order
 
 
-def _output_roles(graph: Graph, roles, parts: _Parts, outputs, donated) -> tuple:
+def _results(tree) -> list:
+    """The step's results as `_output_roles` pairs them with arguments: the items of a returned
+    tuple (or of another container), else the one result."""
+    results = tree.children() if tree.num_nodes > 1 and tree.children() else [tree]
+    return [tree] if len(results) == 1 and results[0] != tree else results
+
+
+def _output_roles(graph: Graph, roles, parts: _Parts, outputs, donated, nodes: int) -> tuple:
     """Each output's role: the new value of a donated argument's leaf (`new_param`,
     `new_opt_state`) where the step returns that argument's tree (one of its results, in the
     argument's structure, shapes and dtypes: `return params, opt_state, loss`, a flax
-    `TrainState`), else a metric. New values keep their inputs' order, as `jg.fuse_updates`
-    pairs them."""
+    `TrainState`; the new states of `nodes` NNX objects, ahead of the step's result), else a
+    metric. New values keep their inputs' order, as `jg.fuse_updates` pairs them."""
     out_roles = ["metric"] * len(graph.outputs)
     tree, mask, _ = outputs
-    results = tree.children() if tree.num_nodes > 1 and tree.children() else [tree]
-    if len(results) == 1 and results[0] != tree:
-        results = [tree]
+    if nodes:
+        states, result = tree.children()
+        results = states.children() + _results(result)
+    else:
+        results = _results(tree)
     groups, leaf, traced = [], 0, 0  # per result: (treedef, mask, first traced output)
     for t in results:
         m = mask[leaf:leaf + t.num_leaves]
