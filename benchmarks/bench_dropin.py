@@ -13,6 +13,14 @@ The notes say whether the two steps' results are bitwise equal, and how the two 
 programs compare (identical up to names: any difference of time is noise).
 
     python -m benchmarks.bench_dropin [--quick]
+
+With `--jit` (issue 40's bar): the first call of the whole step under `jg.jit` (trace, the
+step's graph, its plan under the budget, compile, one step) against `jax.jit`'s first call of the
+same step with `jax.value_and_grad` (the unplanned step), interleaved medians of fresh steps: no
+budget (bar <= 1.1) and `budget="50%"` (bar <= 3), on the MLP, the transformer block and the
+scanned 8-layer LM of `bench_planner` (vocab 4096: loop modes and fused updates planned).
+
+    python -m benchmarks.bench_dropin --jit [--quick]
 """
 
 from __future__ import annotations
@@ -132,6 +140,44 @@ def cold_first_call_row(index, quick) -> dict:
             "note": "as above, every cache cold (a child process per figure); bar <= 1.3"}
 
 
+def jit_step(jit, value_and_grad, loss, **options):
+    """A fresh step (a new function object each call) under `jit` (`jax.jit` or `jg.jit`)."""
+
+    def train_step(params, opt_state, x):
+        value, grads = value_and_grad(loss)(params, x)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jit(train_step, donate_argnums=(0, 1), **options)
+
+
+def jit_first_call_rows(name, loss, params, x, quick) -> list[dict]:
+    def first_call(jit, value_and_grad, **options):
+        def run():
+            step = jit_step(jit, value_and_grad, loss, **options)
+            return jax.block_until_ready(step(_copy(params), TX.init(params), x)[2])
+        return run
+
+    t = interleaved_medians({"jax": first_call(jax.jit, jax.value_and_grad),
+                             "jg": first_call(jg.jit, jg.value_and_grad),
+                             "jg 50%": first_call(jg.jit, jg.value_and_grad, budget="50%")},
+                            repeats=3 if quick else 5, warmup=1)
+    return [{"benchmark": f"jg.jit first call{label}: {name}", "jgraph": f"{t[k]:.3f} s",
+             "reference": f"{t['jax']:.3f} s", "ratio": t[k] / t["jax"],
+             "note": f"trace + plan + compile + one step of a fresh step, against jax.jit's "
+                     f"(jax.value_and_grad, unplanned); bar <= {bar}"}
+            for k, label, bar in (("jg", ", no budget", 1.1), ("jg 50%", ", budget 50%", 3))]
+
+
+def jit_models(quick):
+    from benchmarks.bench_planner import scanned_lm, scanned_lm_args
+
+    params, tokens = scanned_lm_args(layers=4 if quick else 8, batch=4 if quick else 8,
+                                     vocab=1024 if quick else 4096)
+    return models(quick) + [(f"scanned LM, vocab {1024 if quick else 4096}", scanned_lm(),
+                             params, tokens)]
+
+
 def models(quick):
     width, layers, batch = (128, 4, 64) if quick else (512, 8, 256)
     b, t, d, heads = (2, 32, 64, 4) if quick else (8, 128, 256, 4)
@@ -153,5 +199,10 @@ if __name__ == "__main__":
     from benchmarks.run import format_table
 
     start = time.perf_counter()
-    print(format_table(rows(quick="--quick" in sys.argv)))
+    quick = "--quick" in sys.argv
+    if "--jit" in sys.argv:
+        print(format_table([row for model in jit_models(quick)
+                            for row in jit_first_call_rows(*model, quick)]))
+    else:
+        print(format_table(rows(quick)))
     print(f"# {time.perf_counter() - start:.1f} s", file=sys.stderr)

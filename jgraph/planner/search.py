@@ -286,9 +286,11 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
             break
         there = validate.xla_figures(found)
         if there.fits and there.budget_bytes <= target:
-            return _said(found.replace(info={**found.info, "remat": {
-                **info, "xla_temp": there.budget_bytes, "model_temp": predicted,
-                "confirmed": there.hbm_mode or "compiled"}}), said)
+            confirmed = {**info, "xla_temp": there.budget_bytes, "model_temp": predicted,
+                         "confirmed": there.hbm_mode or "compiled"}
+            if info.get("plan") == "no remat" and "finished_temp" in info:
+                confirmed["finished_temp"] = there.budget_bytes  # the finished step, compiled
+            return _said(found.replace(info={**found.info, "remat": confirmed}), said)
         fitted = fitted.corrected(predicted, there.budget_bytes)
     return search()
 
