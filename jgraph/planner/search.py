@@ -279,8 +279,8 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
         except TransformError:  # nothing fits the model: the compiler decides
             break
         info = found.info["remat"]
-        if info.get("xla_temp") is None:  # all of no remat's, uncompiled
-            return _said(found, said)
+        if info.get("xla_temp") is None or "confirmed" in info:  # all of no remat's,
+            return _said(found, said)  # uncompiled; or the least plans, compiled (`_least`)
         predicted = info["xla_temp"]
         if predicted > target:  # the model's least plan: the compiler decides
             break
@@ -302,6 +302,7 @@ def _said(graph: Graph, said: list) -> Graph:
 
 
 CONFIRMS = 2  # plans made on the model and compiled, before every candidate is compiled
+LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage
 
 
 def _hand_arrangements(by_mode: dict) -> list[tuple[float, Plan, Graph]]:
@@ -463,20 +464,36 @@ def _smallest_plans(by_mode: dict, tried: dict):
 def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
            started: float) -> Graph:
     """A percentage no plan reaches: the plan reaching the least temp (no remat when none
-    lowers it), with a `BudgetWarning` naming both figures. A byte budget is a hard limit (the
+    lowers it), with a `BudgetWarning` naming both figures. On the model, the `LEAST_COMPILED`
+    plans it puts least and the hand arrangements are compiled, and the least compiled is
+    returned: a few compiles, not one per candidate. A byte budget is a hard limit (the
     memory a device has) and is an error instead; a percentage is a share of this graph's own
     temp, which on a small graph (parameters and gradients alone) nothing lowers."""
     no_remat = report["no_remat_temp"]
     unplanned = report.get("finished_temp", no_remat)  # `plain` as it runs (finished)
+    if validate.on_the_model():  # the model ranks the least plans; the few it puts least and
+        # the arrangements a user writes are compiled (on TPU at the budget's size), and the
+        # least of those is the plan: never more than a hand arrangement, whatever the model
+        ranked = sorted(smallest, key=lambda s: s[2])
+        ranked = ranked[:LEAST_COMPILED] + [s for s in ranked[LEAST_COMPILED:]
+                                            if s[0].label.startswith(HAND)]
+        modelled = {id(c): t for _, c, t in ranked}
+        with validate.on_model(None):
+            smallest = [(p, c, validate.xla_temp(c)) for p, c, _ in ranked]
+        report = report | {"confirmed": "compiled"}
     plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, unplanned))
     if temp >= unplanned:
         plan, candidate, temp = None, plain, unplanned
+    if "confirmed" in report and plan is not None:
+        report["model_temp"] = modelled[id(candidate)]
     how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
-    warnings.warn(
-        f"remat(budget={budget!r}): no plan reaches {report['budget']} bytes; returning the "
-        f"smallest compiled {current().word} a plan reaches, {temp} bytes, {how} (no remat: "
-        f"{no_remat} bytes)", BudgetWarning, stacklevel=4)
-    return _reported(candidate, report | {"unmet": True}, "no remat" if plan is None else
+    if temp > report["budget"]:  # (the model may have put a plan meeting it over it)
+        warnings.warn(
+            f"remat(budget={budget!r}): no plan reaches {report['budget']} bytes; returning "
+            f"the smallest compiled {current().word} a plan reaches, {temp} bytes, {how} (no "
+            f"remat: {no_remat} bytes)", BudgetWarning, stacklevel=4)
+        report = report | {"unmet": True}
+    return _reported(candidate, report, "no remat" if plan is None else
                      plan.describe(), _peak(candidate), temp, len(tried) - 1,
                      0.0 if plan is None else recompute_flops(candidate), started)
 

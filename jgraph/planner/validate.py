@@ -112,6 +112,11 @@ def on_model(fitted):
         _MODEL.reset(token)
 
 
+def on_the_model() -> bool:
+    """Whether `xla_temp` gives the model's prediction here (`on_model`)."""
+    return _MODEL.get() is not None
+
+
 def xla_temp(graph: Graph) -> int:
     """The budget's figure (`jgraph.target`) of the compiled donated training step of `graph` on
     the target in force: its temp on CPU, its HBM need on TPU, its peak on GPU; predicted by the
