@@ -21,15 +21,24 @@ two compiles place it, a few more confirm it (the largest fitting batch, the nex
 
     python -m benchmarks.bench_max_batch [--quick] [models...]
     python -m benchmarks.bench_max_batch MODEL --time-at JAX_ARRANGEMENT JAX_BATCH JGRAPH_BATCH
-    python -m benchmarks.bench_max_batch --dropin [models...]
+    python -m benchmarks.bench_max_batch --dropin [--quick] [models...]
 
 Models: `scanlm-4096`, `scanlm-32768` (the 8-layer transformer LM of `bench_planner`, d 256,
-seq 128, 4 heads, layers in a `lax.scan`) and their unrolled twins `lm-4096`, `lm-32768`.
+seq 128, 4 heads, layers in a `lax.scan`), their unrolled twins `lm-4096`, `lm-32768`, and
+`flax-scanlm-4096`, `flax-scanlm-32768`: the flax linen LM of `examples/flax_scan_lm.py` (its
+blocks stacked by `nn.scan`, the head tied to the embedding, the example's next-token loss: 127
+positions of the 128 tokens) at the same sizes, its loss a pure function of flax's params dict.
+Its hand arrangements are a flax user's: the scanned block under
+`nn.remat(Block, prevent_cse=False, policy=...)`. `tiny-flax-scanlm-VOCAB` (d 32, 2 layers, 2
+heads) is for smoke tests, with `--limit`.
 `--quick`: only batches, no timing; JAX's arrangements with barriers kept only (no remat with
 both), `dots_with_no_batch_dims` left out. `--jax-only`: JAX's side alone (no planning, no
-timing). `--time-at`: the time ratio alone, at the batches an earlier run found. `--dropin`:
-the largest batch of `jg.jit(step, budget=memory)` over the step as a user writes it
-(`jg.value_and_grad`, then optax), beside the step graph's (what `jg.Optimizer` plans).
+timing). `--time-at`: the time ratio alone, at the batches an earlier run found. `--limit`: the
+largest batch searched. `--dropin` (issue 40): the largest batch of `jg.jit(step,
+budget=memory)` over the step as a user writes it (`jg.value_and_grad`, then optax), beside the
+step graph's (what `jg.Optimizer` plans) and JAX's best hand arrangement's, and (unless
+`--quick`) jg.jit's time per example at its largest batch over JAX's best at its own, against
+the issue's bar (>= 0.95x the step graph's batch, >= 10x JAX's, <= 1.15x its time per example).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 
 import jgraph as jg
 from benchmarks import interleaved_medians
@@ -52,12 +62,14 @@ from benchmarks.bench_planner import (
     transformer,
     transformer_args,
 )
+from examples.flax_scan_lm import LM, Block, next_token_loss
 from jgraph.fuse import without_grads
 from jgraph.planner.search import xla_temp
 
 MIB = 2**20
 BASE_BATCH = 8
 MAX_BATCH = 4096
+DROPIN_MODELS = ["scanlm-4096", "scanlm-32768", "flax-scanlm-4096", "flax-scanlm-32768"]
 cp = jax.checkpoint_policies
 POLICIES = {"nothing_saveable": cp.nothing_saveable, "dots_saveable": cp.dots_saveable,
             "dots_with_no_batch_dims": cp.dots_with_no_batch_dims_saveable}
@@ -68,21 +80,50 @@ def tx():
 
 
 # -- models --------------------------------------------------------------------------------------
+FLAX_SIZES = {"flax-scanlm": {"width": 256, "heads": 4, "layers": 8},
+              "tiny-flax-scanlm": {"width": 32, "heads": 2, "layers": 2}}  # for smoke tests
+
+
+def flax_scanlm(vocab: int, width: int, heads: int, layers: int, length: int = 128):
+    """The example's flax LM: (its loss of (params, tokens), flax's params, {arrangement: loss})
+    with the arrangements a flax user writes, `nn.remat` of the scanned block."""
+
+    def loss_of(block):
+        module = LM(vocab=vocab, width=width, heads=heads, layers=layers, length=length,
+                    block=block)
+
+        def loss(params, tokens):
+            return next_token_loss(module.apply, params, tokens)
+
+        return loss
+
+    init = LM(vocab=vocab, width=width, heads=heads, layers=layers, length=length).init
+    params = init(jax.random.PRNGKey(5), jnp.zeros((1, length), jnp.int32))["params"]
+    hand = {f"nn.scan(nn.remat(Block, {p}))": loss_of(
+        nn.remat(Block, prevent_cse=False, policy=policy)) for p, policy in POLICIES.items()}
+    return loss_of(Block), params, hand
+
+
 def model(name: str):
-    """(loss of (params, tokens), params, {arrangement: loss}, tokens of a batch)."""
-    kind, vocab = name.split("-")
+    """(loss of (params, tokens), params, {arrangement: loss}, the vocabulary's size)."""
+    kind, vocab = name.rsplit("-", 1)
     vocab = int(vocab)
-    if kind == "scanlm":
+    if kind in FLAX_SIZES:
+        plain, params, hand = flax_scanlm(vocab, **FLAX_SIZES[kind])
+    elif kind == "scanlm":
         params, _ = scanned_lm_args(vocab=vocab)
         hand = {f"scan(checkpoint(body, {p}))": scanned_lm(
             lambda f, p=policy: jax.checkpoint(f, policy=p)) for p, policy in POLICIES.items()}
         plain = scanned_lm()
-    else:
+    elif kind == "lm":
         params, _ = transformer_args(layers=8, vocab=vocab)
         hand = {f"checkpoint per layer, {p}": transformer(
             lambda f, p=policy: jax.checkpoint(f, policy=p)) for p, policy in POLICIES.items()}
         hand["2-layer segments"] = transformer(jax.checkpoint, 2)
         plain = transformer()
+    else:
+        raise SystemExit(f"unknown model {name!r}: scanlm-, lm-, flax-scanlm-, "
+                         "tiny-flax-scanlm- and a vocabulary size")
     return plain, params, {"no remat": plain, **hand}, vocab
 
 
@@ -153,12 +194,16 @@ def dropin_fits(fn, params, batch: int, vocab: int, cap: int) -> bool:
     return int(lowered.compile().memory_analysis().temp_size_in_bytes) <= cap
 
 
-def run_dropin(name: str) -> dict:
+def run_dropin(name: str, quick: bool = False, limit: int = MAX_BATCH) -> dict:
     """The largest batch of `jg.jit` over the user's step, beside the step graph's
-    (`jgraph_step_graph`, what `jg.Optimizer` plans) and JAX's no remat, in the same memory."""
+    (`jgraph_step_graph`, what `jg.Optimizer` plans) and JAX's best hand arrangement's, in the
+    same memory; then (unless `quick`) jg.jit's time per example over JAX's best's."""
     plain, params, hand, vocab = model(name)
     cap = jax_temp(plain, params, BASE_BATCH)
-    found = {"cap": cap, "name": name}
+    found = {"cap": cap, "name": name, "jax": jax_arrangements(name, hand, params, cap, quick,
+                                                               limit)}
+    best_label = max(found["jax"], key=found["jax"].get)
+    found["jax_best"] = (best_label, found["jax"][best_label])
 
     def jit_fits(b):
         ok = dropin_fits(plain, params, b, vocab, cap)
@@ -171,9 +216,39 @@ def run_dropin(name: str) -> dict:
               file=sys.stderr)
         return ok
 
-    found["jit"] = largest_batch(jit_fits)
-    found["graph"] = largest_batch(graph_fits, low=max(1, found["jit"]))
+    found["jit"] = largest_batch(jit_fits, low=max(1, found["jax_best"][1]), limit=limit)
+    found["graph"] = largest_batch(graph_fits, low=max(1, found["jit"]), limit=limit)
+    if not quick and found["jit"] > 0:
+        jax_batch = found["jax_best"][1]
+        found["time"] = time_ratio(jit_run(plain, cap, params, found["jit"], vocab), found["jit"],
+                                   jax_run(hand, best_label, params, jax_batch, vocab), jax_batch)
     return found
+
+
+def format_dropin(r: dict, limit: int) -> list[str]:
+    """`run_dropin`'s findings against issue 40's bar."""
+
+    def batch(b):
+        return f"{b}{' (the search limit)' if b >= limit else ''}"
+
+    def ratio(a, b):
+        return a / b if b else float("nan")
+
+    label, jax_batch = r["jax_best"]
+    jit_graph, jit_jax = ratio(r["jit"], r["graph"]), ratio(r["jit"], jax_batch)
+    lines = [f"{r['name']}: memory {r['cap'] / MIB:.1f} MiB (JAX's no-remat step at batch "
+             f"{BASE_BATCH})",
+             f"  jg.jit(budget=memory) batch {batch(r['jit'])}",
+             f"  jg.Optimizer (the step graph) batch {batch(r['graph'])}: jg.jit / it "
+             f"{jit_graph:.2f}x (bar >= 0.95: {'met' if jit_graph >= 0.95 else 'missed'})",
+             f"  JAX's best, {label}: batch {batch(jax_batch)}: jg.jit / it {jit_jax:.2f}x "
+             f"(bar >= 10: {'met' if jit_jax >= 10 else 'missed'})"]
+    if "time" in r:
+        lines.append(f"  time per example, jg.jit at batch {r['jit']} over JAX's best at batch "
+                     f"{jax_batch}: {r['time']:.2f}x "
+                     f"(bar <= 1.15: {'met' if r['time'] <= 1.15 else 'missed'})")
+    lines += [f"    JAX {arrangement}: {b}" for arrangement, b in r["jax"].items()]
+    return lines
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -212,10 +287,10 @@ def largest_batch(fits, low: int = BASE_BATCH, temp_of=None, cap: int | None = N
     return good
 
 
-def run_model(name: str, quick: bool, jax_only: bool = False) -> dict:
-    plain, params, hand, vocab = model(name)
-    cap = jax_temp(plain, params, BASE_BATCH)
-    found = {"cap": cap, "jax": {}, "name": name}
+def jax_arrangements(name: str, hand: dict, params, cap: int, quick: bool,
+                     limit: int = MAX_BATCH) -> dict[str, int]:
+    """{"arrangement, flags": its largest batch} for JAX's hand arrangements in `cap`."""
+    found = {}
     flag_sets = (("XLA defaults", None), ("barriers kept", KEEP_BARRIERS))
     for label, fn in hand.items():
         if quick and "dots_with_no_batch_dims" in label:
@@ -223,9 +298,18 @@ def run_model(name: str, quick: bool, jax_only: bool = False) -> dict:
         for flags, options in flag_sets[1:] if quick and label != "no remat" else flag_sets:
             def temp_of(b, fn=fn, options=options):
                 return jax_temp(fn, params, b, options)
-            best = largest_batch(lambda b, t=temp_of: t(b) <= cap, temp_of=temp_of, cap=cap)
-            found["jax"][f"{label}, {flags}"] = best
+            best = largest_batch(lambda b, t=temp_of: t(b) <= cap, temp_of=temp_of, cap=cap,
+                                 limit=limit)
+            found[f"{label}, {flags}"] = best
             print(f"#   {name} JAX {label}, {flags}: batch {best}", file=sys.stderr)
+    return found
+
+
+def run_model(name: str, quick: bool, jax_only: bool = False, limit: int = MAX_BATCH) -> dict:
+    plain, params, hand, vocab = model(name)
+    cap = jax_temp(plain, params, BASE_BATCH)
+    found = {"cap": cap, "jax": jax_arrangements(name, hand, params, cap, quick, limit),
+             "name": name}
     best_label = max(found["jax"], key=found["jax"].get)
     found["jax_best"] = (best_label, found["jax"][best_label])
     graphs = {}
@@ -242,35 +326,59 @@ def run_model(name: str, quick: bool, jax_only: bool = False) -> dict:
         found["jgraph"] = 0
         return found
     low = max(1, found["jax_best"][1])
-    found["jgraph"] = largest_batch(fits, low=low)
+    found["jgraph"] = largest_batch(fits, low=low, limit=limit)
     if not quick and found["jgraph"] > 0:
-        found["time"] = time_per_example(hand, best_label, params, graphs[found["jgraph"]],
-                                         found["jax_best"][1], found["jgraph"], vocab)
+        jax_batch, jg_batch = found["jax_best"][1], found["jgraph"]
+        found["time"] = time_ratio(graph_run(graphs[jg_batch], params, jg_batch, vocab), jg_batch,
+                                   jax_run(hand, best_label, params, jax_batch, vocab), jax_batch)
     return found
 
 
-def time_per_example(hand, label, params, graph, jax_batch, jg_batch, vocab) -> float:
-    """jgraph's time per example at its largest batch over JAX's best at its own."""
+# -- timing --------------------------------------------------------------------------------------
+def jax_run(hand: dict, label: str, params, batch: int, vocab: int):
+    """One call of JAX's `label` ("arrangement, flags") step at `batch` on its own state."""
     name, flags = label.rsplit(", ", 1)
-    options = KEEP_BARRIERS if flags == "barriers kept" else None
-    step = jax_adam_step(hand[name], options)
-    state = {"p": jax.tree.map(jnp.copy, params), "s": tx().init(params)}
-    toks = tokens(jax_batch, vocab)
-
-    def run_jax():
-        state["p"], state["s"], loss = step(state["p"], state["s"], toks)
-        return loss
-
-    jstep = jg.compile(graph, donate_argnums=(0, 2))  # (params, tokens, opt_state)
+    step = jax_adam_step(hand[name], KEEP_BARRIERS if flags == "barriers kept" else None)
     box = {"p": jax.tree.map(jnp.copy, params), "s": tx().init(params)}
-    jtoks = tokens(jg_batch, vocab)
+    toks = tokens(batch, vocab)
 
-    def run_jgraph():
-        loss, box["p"], box["s"] = jstep(box["p"], jtoks, box["s"])
+    def run():
+        box["p"], box["s"], loss = step(box["p"], box["s"], toks)
         return loss
 
-    t = interleaved_medians({"jax": run_jax, "jgraph": run_jgraph}, repeats=5)
-    return (t["jgraph"] / jg_batch) / (t["jax"] / jax_batch)
+    return run
+
+
+def graph_run(graph, params, batch: int, vocab: int):
+    """One call of jgraph's planned step graph at `batch` on its own state."""
+    step = jg.compile(graph, donate_argnums=(0, 2))  # (params, tokens, opt_state)
+    box = {"p": jax.tree.map(jnp.copy, params), "s": tx().init(params)}
+    toks = tokens(batch, vocab)
+
+    def run():
+        loss, box["p"], box["s"] = step(box["p"], toks, box["s"])
+        return loss
+
+    return run
+
+
+def jit_run(fn, cap: int, params, batch: int, vocab: int):
+    """One call of the user's step under `jg.jit(budget=cap)` at `batch` on its own state."""
+    step = dropin_step(fn, cap)
+    box = {"p": jax.tree.map(jnp.copy, params), "s": tx().init(params)}
+    toks = tokens(batch, vocab)
+
+    def run():
+        box["p"], box["s"], loss = step(box["p"], box["s"], toks)
+        return loss
+
+    return run
+
+
+def time_ratio(ours, our_batch: int, jax_step, jax_batch: int) -> float:
+    """Our time per example over JAX's, each step at its own batch, timed interleaved."""
+    t = interleaved_medians({"jax": jax_step, "jgraph": ours}, repeats=5)
+    return (t["jgraph"] / our_batch) / (t["jax"] / jax_batch)
 
 
 def format_rows(results) -> list[str]:
@@ -303,13 +411,17 @@ def time_at(name: str, jax_label: str, jax_batch: int, jg_batch: int) -> float:
     graph = jgraph_step_graph(plain, params, jg_batch, vocab, cap)
     if graph is None:
         raise SystemExit(f"--time-at: jgraph's step at batch {jg_batch} does not fit")
-    return time_per_example(hand, jax_label, params, graph, jax_batch, jg_batch, vocab)
+    return time_ratio(graph_run(graph, params, jg_batch, vocab), jg_batch,
+                      jax_run(hand, jax_label, params, jax_batch, vocab), jax_batch)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", help="scanlm-4096 scanlm-32768 lm-4096 lm-32768")
+    parser.add_argument("models", nargs="*", help="scanlm-4096 scanlm-32768 lm-4096 lm-32768 "
+                        "flax-scanlm-4096 flax-scanlm-32768 (tiny-flax-scanlm-VOCAB: a smoke test)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--limit", type=int, default=MAX_BATCH,
+                        help=f"the largest batch searched (default {MAX_BATCH})")
     parser.add_argument("--time-at", nargs=3, metavar=("JAX_ARRANGEMENT", "JAX_BATCH",
                                                       "JGRAPH_BATCH"),
                         help="only time one model (the one named) at the largest batches an "
@@ -319,16 +431,15 @@ def main(argv=None):
                         help="JAX's arrangements only (every one, unless --quick): no planning")
     parser.add_argument("--dropin", action="store_true",
                         help="jg.jit over the user's own step against the step graph "
-                        "jg.Optimizer plans, in the same memory (issue 40)")
+                        "jg.Optimizer plans and JAX's best arrangement, in the same memory "
+                        "(issue 40)")
     args = parser.parse_args(argv)
     if args.dropin:
-        for name in args.models or ["scanlm-4096", "scanlm-32768"]:
+        for name in args.models or DROPIN_MODELS:
             started = time.perf_counter()
-            r = run_dropin(name)
-            ratio = r["jit"] / r["graph"] if r["graph"] else float("nan")
-            print(f"{name}: memory {r['cap'] / MIB:.1f} MiB; jg.jit batch {r['jit']}, step graph "
-                  f"(jg.Optimizer) batch {r['graph']}: {ratio:.2f}x "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            r = run_dropin(name, args.quick, args.limit)
+            print("\n".join(format_dropin(r, args.limit)), flush=True)
+            print(f"# {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         return
     if args.time_at:
         if len(args.models) != 1:
@@ -341,7 +452,7 @@ def main(argv=None):
     results = []
     for name in args.models or ["scanlm-4096", "scanlm-32768", "lm-4096", "lm-32768"]:
         started = time.perf_counter()
-        results.append(run_model(name, args.quick, args.jax_only))
+        results.append(run_model(name, args.quick, args.jax_only, args.limit))
         print(f"# {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     print("\n".join(format_rows(results)))
 
