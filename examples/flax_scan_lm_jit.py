@@ -57,15 +57,16 @@ class LM(nn.Module):
     heads: int
     layers: int
     length: int  # the longest sequence (the position embedding's rows)
+    block: type = Block  # the scanned layer; `nn.remat(Block, ...)` recomputes it in the backward
 
     @nn.compact
     def __call__(self, tokens):
         embed = nn.Embed(self.vocab, self.width)
         positions = nn.Embed(self.length, self.width)
         x = embed(tokens) + positions(jnp.arange(tokens.shape[1]))
-        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+        blocks = nn.scan(self.block, variable_axes={"params": 0}, split_rngs={"params": True},
                          length=self.layers)
-        x, _ = blocks(self.heads, self.width)(x, None)
+        x, _ = blocks(self.heads, self.width, name="blocks")(x, None)  # named: any `block`
         return embed.attend(nn.LayerNorm()(x))  # the head tied to the embedding
 
 
@@ -75,12 +76,17 @@ def create_train_state(module, rng, learning_rate, length):
     return train_state.TrainState.create(apply_fn=module.apply, params=params, tx=tx)
 
 
+def next_token_loss(apply_fn, params, batch):
+    """The mean cross-entropy of the logits at each of `batch`'s tokens against the next token."""
+    logits = apply_fn({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits=logits, labels=batch[:, 1:]).mean()
+
+
 @jg.jit(budget="99%", donate_argnums=0)  # the JAX version: @jax.jit
 def train_step(state, batch):
     def loss_fn(params):
-        logits = state.apply_fn({"params": params}, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits=logits, labels=batch[:, 1:]).mean()
+        return next_token_loss(state.apply_fn, params, batch)
 
     grad_fn = jg.value_and_grad(loss_fn)  # the JAX version: jax.value_and_grad
     loss, grads = grad_fn(state.params)
