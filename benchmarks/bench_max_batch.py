@@ -339,14 +339,7 @@ def jax_run(hand: dict, label: str, params, batch: int, vocab: int):
     """One call of JAX's `label` ("arrangement, flags") step at `batch` on its own state."""
     name, flags = label.rsplit(", ", 1)
     step = jax_adam_step(hand[name], KEEP_BARRIERS if flags == "barriers kept" else None)
-    box = {"p": jax.tree.map(jnp.copy, params), "s": tx().init(params)}
-    toks = tokens(batch, vocab)
-
-    def run():
-        box["p"], box["s"], loss = step(box["p"], box["s"], toks)
-        return loss
-
-    return run
+    return _stepping(step, params, batch, vocab)
 
 
 def graph_run(graph, params, batch: int, vocab: int):
@@ -364,7 +357,12 @@ def graph_run(graph, params, batch: int, vocab: int):
 
 def jit_run(fn, cap: int, params, batch: int, vocab: int):
     """One call of the user's step under `jg.jit(budget=cap)` at `batch` on its own state."""
-    step = dropin_step(fn, cap)
+    return _stepping(dropin_step(fn, cap), params, batch, vocab)
+
+
+def _stepping(step, params, batch: int, vocab: int):
+    """One call of `step(params, opt_state, tokens) -> (params, opt_state, loss)` on its own
+    state, carried from call to call."""
     box = {"p": jax.tree.map(jnp.copy, params), "s": tx().init(params)}
     toks = tokens(batch, vocab)
 
