@@ -84,13 +84,43 @@ def place(order: list[Kernel], values: list[Value], aliased, results) -> Placeme
             v.end = end
         v.home = None
         live_values.append(v)
-    hidden = _reuse_allocations(live_values, aliased, end)
+    hidden = _reuse_allocations(live_values, aliased, end, _post_order(results))
     return _heap(order, live_values, hidden)
 
 
-def _reuse_allocations(values, aliased, end) -> list[Value]:
+def _post_order(results) -> dict:
+    """Each kernel's and argument's place in XLA's instruction post order, which orders buffers
+    of one size: a depth-first walk from the result tuple, each kernel after its operands,
+    operands in order (`HloComputation::MakeInstructionPostOrder`)."""
+    position: dict = {}
+    for v in results:
+        if v in position or v.kernel in position:
+            continue
+        if v.kernel is None:
+            position[v] = len(position)
+            continue
+        position[v.kernel] = -1  # on the stack
+        stack = [(v.kernel, iter(v.kernel.reads))]
+        while stack:
+            k, operands = stack[-1]
+            for operand in operands:
+                p = operand.kernel
+                if p is None:
+                    position.setdefault(operand, len(position))
+                elif p not in position:
+                    position[p] = -1
+                    stack.append((p, iter(p.reads)))
+                    break
+            else:
+                stack.pop()
+                position[k] = len(position)
+    return position
+
+
+def _reuse_allocations(values, aliased, end, post: dict[Kernel, int]) -> list[Value]:
     allocations: list[Allocation] = []
     home: dict[Value, Allocation] = {}
+    last = len(post)
     for arg, result in aliased:
         if result.kernel is None:
             continue
@@ -110,7 +140,11 @@ def _reuse_allocations(values, aliased, end) -> list[Value]:
             home[v] = a
     if not allocations:
         return []
-    by_size = sorted(range(len(allocations)), key=lambda i: allocations[i].size)
+    # XLA tries the allocations made before a buffer from the last made: the smallest, and of
+    # one size the latest in its order of buffers (post order: an argument's by its parameter)
+    made = [min(post.get(v, last) if v.kernel is None else post.get(v.kernel, last)
+                for _, _, v in a.spans) for a in allocations]
+    by_size = sorted(range(len(allocations)), key=lambda i: (allocations[i].size, -made[i]))
     allocations = [allocations[i] for i in by_size]
     index = {a: i for i, a in enumerate(allocations)}
     sizes = np.array([a.size for a in allocations])
@@ -123,7 +157,8 @@ def _reuse_allocations(values, aliased, end) -> list[Value]:
     held = np.zeros((len(allocations), end + 3), np.uint16 if end + 3 < 2**16 else np.int64)
     np.cumsum(occupied, axis=1, out=held[:, 1:])
     placed = []
-    temps = sorted((v for v in values if v.kind == "temp"), key=lambda v: (-v.size, v.start))
+    temps = sorted((v for v in values if v.kind == "temp"),
+                   key=lambda v: (-v.size, post.get(v.kernel, last), v.start))
     for t in temps:
         first = [home[r] for r in t.kernel.reads if r in home]
         chosen = next((a for a in first if a.fits(t)), None)

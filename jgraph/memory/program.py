@@ -410,6 +410,8 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
         outside = out is not None and (out in external or p in needed or any(
             r not in members or r in copied for r in unfused[out]))  # fusing p copies it
         library = kinds[kernel.root] == "library"
+        if library and out is not None and any(r not in members for r in readers[out]):
+            outside = True  # formed before loop fusion: every reader must be in the kernel
         said = verdict(p)
         if out is not None and said is not True and (
                 (said is False and kinds[p] in FUSIBLE and not library)
@@ -433,11 +435,12 @@ def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library) ->
     fusing duplicates it; `reuse`: the kernel reads p's elements more than once; `library`: the
     kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads)."""
     kind, out = kinds[p], p.outputs[0]
+    if library:  # formed before loop fusion: p must have no other reader in the program
+        return not outside and (
+            (kind in ("cheap", "expensive") and p.op in opkinds.LIBRARY_ELEMENTWISE)
+            or (kind == "dot" and opkinds.library_dot(p)))
     if kind not in FUSIBLE:
         return False
-    if library:  # formed before loop fusion: p must have no other reader in the program
-        return not outside and kind in ("cheap", "expensive") \
-            and p.op in opkinds.LIBRARY_ELEMENTWISE and len(readers[out]) == 1
     expensive = kind != "cheap"
     if outside:
         if expensive and not opkinds.always_duplicated(p):
@@ -474,7 +477,7 @@ def connect(found: list[Kernel], root, values: dict, kind_of) -> list[Value]:
             new.append(value)
     for k in found:
         inside = {v for e in k.eqns for v in e.outputs}
-        for e in reversed(k.eqns):
+        for e in k.eqns:  # as XLA fuses: the root, then each producer fused
             for a in e.inputs:
                 a = root(a)
                 if isinstance(a, Var) and a not in inside:
