@@ -302,6 +302,47 @@ def check_errors():
     report("errors", **msgs)
 
 
+def check_jit_shardings():
+    """`jg.jit(step, in_shardings=, out_shardings=)` as `jax.jit` takes them (a prefix of the
+    arguments, static ones left out; of the result): the params and adam's state replicated,
+    the batch split on the data axis, FSDP-sharded params; trained as `jax.jit` trains."""
+    mesh = mesh_of(4)
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    fsdp = {k: NamedSharding(mesh, spec) for k, spec in FSDP.items()}
+
+    def make(grad):
+        def step(params, opt_state, x, y, scale):
+            def loss(p):
+                logits = model(p, x)
+                return scale * jnp.mean(
+                    jax.nn.logsumexp(logits, -1)
+                    - jnp.take_along_axis(logits, y[:, None], -1)[:, 0])
+            value, g = grad(loss)(params)
+            updates, opt_state = TX.update(g, opt_state, params)
+            return jax.tree.map(lambda a, u: a + u, params, updates), opt_state, value
+        return step
+
+    for name, param_sharding in (("replicated", rep), ("fsdp", fsdp)):
+        kw = dict(in_shardings=(param_sharding, None, rows, rows),
+                  out_shardings=(param_sharding, None, rep), static_argnums=4,
+                  donate_argnums=(0, 1))
+        runs = []
+        for jit, grad in ((jax.jit, jax.value_and_grad),
+                          (jg.jit, jg.value_and_grad)):
+            step = jit(make(grad), **kw)
+            params = jax.device_put(jax.tree.map(jnp.asarray, P0), param_sharding)
+            opt_state = TX.init(params)
+            for _ in range(3):
+                params, opt_state, value = step(params, opt_state, X[:64], Y[:64], 1.0)
+            runs.append((params, value))
+        (want, _), (got, value) = runs
+        specs = {k: str(a.sharding.spec) for k, a in got.items()}
+        wanted = {k: str((param_sharding if name == "replicated" else fsdp[k]).spec)
+                  for k in got}
+        report(f"jit shardings {name}", rel=rel(got, want), specs_kept=specs == wanted,
+               loss_spec=str(value.sharding.spec))
+
+
 def suite(slow: bool):
     import tempfile
 
@@ -331,7 +372,8 @@ def suite(slow: bool):
     with tempfile.TemporaryDirectory() as tmp:
         run(check_save_load, tmp)
         run(check_fit_resume, tmp)
-    for check in (check_fit, check_keys, check_step_period, check_nonfinite, check_errors):
+    for check in (check_fit, check_keys, check_step_period, check_nonfinite, check_errors,
+                  check_jit_shardings):
         run(check)
 
 

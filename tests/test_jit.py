@@ -501,3 +501,22 @@ def test_what_nnx_jit_allows_and_jg_jit_does_not_is_a_clear_error():
         nnx.jit(fun)(_NnxMLP.objects(nnx)[0])
         with pytest.raises(ArgumentError, match=message):
             jg.jit(fun)(_NnxMLP.objects(nnx)[0])
+
+
+def test_shardings_that_do_not_match_the_arguments_are_a_clear_error():
+    """(Shardings on many devices: tests/test_sharding.py.) On one device: a prefix of the
+    arguments and of the result is taken as jax.jit takes it; a tuple of the wrong length or
+    that is no prefix of an argument names the argument."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    ws, x = _mlp(layers=2, width=16, batch=8)
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec())
+    tx = optax.sgd(0.1)
+    kw = dict(in_shardings=([one, one], None, one), out_shardings=(one, None, one))
+    got = jg.jit(steps(tx, jg.value_and_grad), **kw)(ws, tx.init(ws), x)
+    _equal(got, jax.jit(steps(tx, jax.value_and_grad), **kw)(ws, tx.init(ws), x))
+    with pytest.raises(ArgumentError, match="in_shardings has 2 entries for 3"):
+        jg.jit(steps(tx, jg.value_and_grad), in_shardings=(one, one))(ws, tx.init(ws), x)
+    with pytest.raises(ArgumentError, match=r"in_shardings\[0\] is not a prefix"):
+        jg.jit(steps(tx, jg.value_and_grad), in_shardings=([one] * 3, None, one))(
+            ws, tx.init(ws), x)

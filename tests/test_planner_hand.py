@@ -101,7 +101,7 @@ def test_a_u_net_is_cut_into_one_segment_per_layer():
     assert [c for c in counts if c] == [2] * (2 * levels), counts
 
 
-@pytest.mark.parametrize("levels", [4, 8])
+@pytest.mark.parametrize("levels", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8: -m slow
 def test_the_least_temp_reported_is_below_the_hand_arrangement(levels):
     """The least plan on the U-Nets is not above the per-layer checkpoint as jgraph compiles it
     (which keeps each region's output, DESIGN 4.2) and within 1.02x of JAX's own compilation of

@@ -77,7 +77,7 @@ def test_a_budget_with_a_period_keeps_the_better_of_both_orders(batch):
 def test_a_budget_with_a_period_trains_as_no_remat():
     params, x, y = setup(64)
     states = []
-    for remat in (None, {"budget": "50%"}):
+    for remat in (None, {"budget": "80%"}):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", jg.BudgetWarning)
             opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=2,
@@ -104,6 +104,7 @@ def test_an_unmet_budget_warns_once_and_says_which_plan_was_kept():
     assert opt.graphs["grad"].info["remat"]["unmet"]
 
 
+@pytest.mark.slow  # opt-in, -m slow: tests/test_sharding.py plans a period's budget on meshes
 def test_a_mesh_with_a_period_plans_its_shard_step_alike():
     """On a mesh (one device here) the period's micro-step is one data shard's; its budget is
     planned as on one device: both orders, the better kept, training as without the mesh."""
@@ -140,7 +141,7 @@ def test_a_guarded_step_with_a_period_is_planned_as_it_runs():
 
     params, x, y = setup(256)
     runs = {}
-    for remat in (None, {"budget": "50%"}):
+    for remat in (None, {"budget": "80%"}):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", jg.BudgetWarning)
             opt = jg.Optimizer(model, optax.adam(1e-3), loss="cross_entropy", period=2,
@@ -150,13 +151,13 @@ def test_a_guarded_step_with_a_period_is_planned_as_it_runs():
             half = slice(k % 2 * 128, k % 2 * 128 + 128)
             state = opt.step(state, x[half], y[half])[0]
         runs[str(remat)] = (opt.graphs["grad"], state.params)
-    grad, trained = runs[str({"budget": "50%"})]
+    grad, trained = runs[str({"budget": "80%"})]
     info = grad.info["remat"]
     bwd = jg.backward(opt.graphs["forward"])
     guarded = with_guard(accumulate(without_regions(bwd), 2, "cross_entropy"), "raise")
     assert grad.info["finite_output"] is not None  # the step that runs is the guarded one
     assert info["xla_temp"] == xla_temp(grad)
-    assert info["budget"] == int(0.5 * xla_temp(guarded))
+    assert info["budget"] == int(0.8 * xla_temp(guarded))
     assert (info["xla_temp"] <= info["budget"]) != bool(info.get("unmet"))
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(runs["None"][1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

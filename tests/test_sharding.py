@@ -226,6 +226,15 @@ def test_params_equal_the_single_device_run(suite):
         assert r["specs_kept"], name  # params keep their sharding through every step
 
 
+def test_jg_jit_takes_shardings_as_jax_jit_does(suite):
+    """`jg.jit(in_shardings=, out_shardings=)` on 4 devices: a prefix of the arguments (the
+    static one left out) and of the result, replicated or FSDP params, a batch split on the
+    data axis; the params trained as `jax.jit`'s step trains them, their shardings kept."""
+    for name in ("replicated", "fsdp"):
+        r = suite[f"jit shardings {name}"]
+        assert r["rel"] <= RTOL and r["specs_kept"] and r["loss_spec"] == "P()", r
+
+
 def test_gradients_cross_devices_once_per_period(suite):
     """Compiled HLO: with period 4 the grad executable has no collective; the opt executable
     reduces the accumulated gradients once (XLA combines the leaves into one all-reduce)."""

@@ -461,13 +461,18 @@ class Jit:
             planned = remat(unplanned, budget=self.budget, target=self.target)
         else:
             planned = remat(unplanned) if unplanned.regions else unplanned
-        return _Traced(planned, unplanned, self._jitted(planned, parts, order, n_out, donated),
+        jitted = self._jitted(planned, parts, order, n_out, donated, outputs[-1],
+                              len(args) - nodes)
+        return _Traced(planned, unplanned, jitted,
                        recorder.calls, outputs[-1])
 
-    def _jitted(self, graph: Graph, parts: _Parts, order, n_out: int, donated):
+    def _jitted(self, graph: Graph, parts: _Parts, order, n_out: int, donated, outputs,
+                n_args: int):
         """`jax.jit` of the graph as a function of the arguments' traced leaves (in `order` the
         graph's inputs), returning the last `n_out` of its outputs (the step's traced results);
-        a donated argument's leaves donated."""
+        a donated argument's leaves donated. Shardings given as `jax.jit` takes them (a prefix
+        of the step's arguments, static ones left out, or of its result) are given per leaf;
+        an NNX object's arrays keep the shardings they have."""
         donate, start = [], 0
         for i, n in zip(parts.positions, parts.counts(), strict=True):
             if i in donated:
@@ -475,12 +480,55 @@ class Jit:
             start += n
         options = {k: v for k, v in self.jit_kwargs.items()
                    if k not in ("static_argnums", "donate_argnums")}
+        if "in_shardings" in options:
+            values = [jax.tree.unflatten(tree, [0] * len(mask))
+                      for i, tree, mask in zip(parts.positions, parts.trees, parts.masks,
+                                               strict=True) if i < n_args]
+            masks = [m for i, m in zip(parts.positions, parts.masks, strict=True) if i < n_args]
+            flat = _per_leaf(options["in_shardings"], values, masks, "in_shardings",
+                             "the step's positional arguments (static_argnums left out)")
+            if isinstance(flat, list):  # NNX objects' states, appended: their own shardings
+                flat += [None] * (sum(parts.counts()) - len(flat))
+            options["in_shardings"] = flat
+        if "out_shardings" in options:
+            tree, mask, _ = outputs
+            flat = _per_leaf((options["out_shardings"],), [jax.tree.unflatten(
+                tree, [0] * len(mask))], [mask], "out_shardings", "the step's result")
+            options["out_shardings"] = flat
 
         def run(*leaves):
             outs = Lowering().run(graph, *[leaves[k] for k in order])
             return outs[len(outs) - n_out:]
 
         return jax.jit(run, donate_argnums=tuple(donate), **options)
+
+
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
+
+
+def _per_leaf(spec, values: list, masks: list, name: str, of: str):
+    """`spec`, shardings as `jax.jit` takes them for `values` (one for all, or a tuple with a
+    prefix of each value), as a list with one per traced leaf (`masks`); one for all as is."""
+    if _is_spec(spec) or not isinstance(spec, (tuple, list)):
+        return spec
+    if len(spec) != len(values):
+        raise ArgumentError(f"jg.jit: {name} has {len(spec)} entries for {len(values)} of "
+                            f"{of}; give one for each, or one sharding for all, as jax.jit "
+                            "takes them")
+    flat = []
+    for k, (s, value, mask) in enumerate(zip(spec, values, masks, strict=True)):
+        prefix = jax.tree.structure(s, is_leaf=_is_spec)
+        try:
+            parts = prefix.flatten_up_to(value)
+        except (ValueError, TypeError) as e:
+            raise ArgumentError(f"jg.jit: {name}[{k}] is not a prefix of the structure of "
+                                f"{of}[{k}]: {e}") from None
+        each = []
+        for sharding, part in zip(jax.tree.leaves(s, is_leaf=_is_spec), parts, strict=True):
+            each += [sharding] * len(jax.tree.leaves(part))
+        flat += [x for x, m in zip(each, mask, strict=True) if m]
+    return flat
 
 
 def _joint_and_tail(step: Graph, spliced) -> tuple[Graph, list] | None:
