@@ -14,8 +14,10 @@ latest first, while XLA would fuse them:
   than it writes from two operands that are not broadcasts, unless every reader is a loop fusion;
 - an expensive producer is not fused where the kernel reads its elements more than once (through
   a broadcast, as a gather's table, in an outer product);
-- a YNNPACK reduction (`library`), formed before loop fusion, takes only elementwise producers
-  with no other reader; a `tree` reduction's operand is materialised.
+- a YNNPACK reduction (`library`), formed before loop fusion, takes elementwise producers and
+  YNNPACK dots with no other reader; a `tree` reduction's operand is materialised, and it runs
+  as its own kernel (XLA's reduce_window over it, right after it: its partial results are
+  small), fused into no consumer.
 
 A producer left out of any of its readers' kernels is materialised: it roots a kernel of its own.
 A `dot` kernel folds the transposes of its operands; every other kernel (convolution, loops,
@@ -35,7 +37,7 @@ from jgraph.ir import Eqn, Graph, Literal, ShapedArray, Var
 from jgraph.lower import fusion_cuts, protection_plan
 from jgraph.opkinds import aligned
 
-FUSIBLE = frozenset({"cheap", "expensive", "reduce", "tree"})  # may fuse into a consumer
+FUSIBLE = frozenset({"cheap", "expensive", "reduce"})  # may fuse into a consumer
 GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers
 LOOP = frozenset({"cheap", "expensive", "reduce"})  # loop fusions
 

@@ -485,13 +485,17 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
         ranked = ranked[:LEAST_COMPILED] + [s for s in ranked[LEAST_COMPILED:]
                                             if s[0].label.startswith(HAND) and s[2] <= near]
         modelled = {id(c): t for _, c, t in ranked}
+        modelled[id(plain)] = unplanned
         with validate.on_model(None):
             smallest = [(p, c, validate.xla_temp(c)) for p, c, _ in ranked]
+            if "finished_temp" in report:  # modelled too: the step as it runs, compiled
+                unplanned = validate.xla_temp(plain)
+                report = report | {"finished_temp": unplanned}
         report = report | {"confirmed": "compiled"}
     plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, unplanned))
     if temp >= unplanned:
         plan, candidate, temp = None, plain, unplanned
-    if "confirmed" in report and plan is not None:
+    if "confirmed" in report:
         report["model_temp"] = modelled[id(candidate)]
     how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
     if temp > report["budget"]:  # (the model may have put a plan meeting it over it)
