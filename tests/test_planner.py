@@ -262,22 +262,28 @@ def test_the_exact_planner_solves_its_milp_and_fits(monkeypatch):
 @pytest.mark.parametrize("planner", ["auto", "exact"])
 def test_the_milp_gets_what_is_left_of_its_planners_time_limit(planner, monkeypatch):
     """"exact" gives the MILP what is left of 60 s; "auto", which only looks for a plan cheaper
-    than the DP's, what is left of 10 s."""
-    from jgraph.planner import exact
+    than the DP's, no longer than the compiles so far took (planning is weighed against one
+    compile), at least `AUTO_MILP_FLOOR`, within what is left of 10 s."""
+    from jgraph.planner import exact, search, validate
 
     seen = []
     solve = exact.ExactPlanner.solve
 
     def recording(self, *a, seconds=exact.TIME_LIMIT, **k):
-        seen.append(seconds)
+        seen.append((seconds, validate.seconds))
         return solve(self, *a, seconds=seconds, **k)
 
     monkeypatch.setattr(exact.ExactPlanner, "solve", recording)
     fn, args = residual_blocks(n=3)
     jg.remat(joint(fn, *args), budget="60%", planner=planner)
-    limit = exact.TIME_LIMIT if planner == "exact" else exact.AUTO_TIME_LIMIT
-    assert seen and all(2.0 <= s <= limit for s in seen)
-    assert planner == "auto" or max(seen) > exact.AUTO_TIME_LIMIT
+    assert seen
+    if planner == "exact":
+        assert all(2.0 <= s <= exact.TIME_LIMIT for s, _ in seen)
+        assert max(s for s, _ in seen) > exact.AUTO_TIME_LIMIT
+    else:
+        floor = search.AUTO_MILP_FLOOR
+        assert all(floor <= s <= max(compiling, floor) and s <= exact.AUTO_TIME_LIMIT
+                   for s, compiling in seen), seen
 
 
 def test_auto_plans_small_graphs_exactly_and_large_ones_fast():

@@ -30,7 +30,8 @@ from the highest held one, and the runs nest: the solution reads back as nested 
 instead of one per stage. The MILP is exact for the chain model (no memory discretization;
 solved without HiGHS's presolve, which spoils MILPs of this kind now and then:
 `jgraph.planner.dag`) and stops at `TIME_LIMIT` seconds with the best plan found
-(`AUTO_TIME_LIMIT` for `planner="auto"`). `small_enough`: what
+(`planner="auto"`: no longer than the planning's compiles so far, within `AUTO_TIME_LIMIT`:
+`jgraph.planner.search._exactly`). `small_enough`: what
 `planner="auto"` solves here.
 """
 
@@ -165,7 +166,7 @@ class _Milp:
         cost = np.asarray(self.cost) / max(max(self.cost), 1e-30)
         result = milp(cost, integrality=np.asarray(self.kind),
                       bounds=(0, 1), constraints=LinearConstraint(matrix, lower, upper),
-                      options={"time_limit": max(seconds, 1.0), "presolve": False})
+                      options={"time_limit": max(seconds, 0.1), "presolve": False})
         if result.x is None:
             return None
         x = np.round(result.x).astype(int)

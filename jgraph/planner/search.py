@@ -301,6 +301,7 @@ def _said(graph: Graph, said: list) -> Graph:
     return graph
 
 
+AUTO_MILP_FLOOR = 0.25  # seconds the MILP of planner="auto" may always take
 CONFIRMS = 2  # plans made on the model and compiled, before every candidate is compiled
 LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage
 HAND_MARGIN = 0.25  # and the hand arrangements the model puts within this share of the least
@@ -341,8 +342,12 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
              planner: str):
     """(what the MILP did, (plan, graph, estimate, XLA temp) or None): the MILP's plan within
     the model budget `plan` was found at, cheaper than `plan`, if it fits XLA's budget too."""
-    limit = TIME_LIMIT if planner == "exact" else AUTO_TIME_LIMIT
-    seconds = max(limit - (time.perf_counter() - started), 2.0)
+    if planner == "exact":
+        seconds = max(TIME_LIMIT - (time.perf_counter() - started), 2.0)
+    else:  # a refinement of the DP's plan: no longer than the compiles so far (planning's
+        # time is weighed against one compile), at least `AUTO_MILP_FLOOR`, at most the limit
+        seconds = min(max(AUTO_TIME_LIMIT - (time.perf_counter() - started), AUTO_MILP_FLOOR),
+                      max(validate.seconds, AUTO_MILP_FLOOR))
     own = plan.cost - problem.base_cost  # what the MILP's objective counts
     exact = problem.planner.solve(plan.peak, bound=own * (1 - 1e-6), seconds=seconds)
     if exact is None:
