@@ -351,7 +351,7 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
     own = plan.cost - problem.base_cost  # what the MILP's objective counts
     exact = problem.planner.solve(plan.peak, bound=own * (1 - 1e-6), seconds=seconds)
     if exact is None:
-        return f"no cheaper plan than the chain DP's within {seconds:.0f} s", None
+        return f"no cheaper plan than the chain DP's within {seconds:.1f} s", None
     exact = dataclasses.replace(exact, base=plan.base, cost=exact.cost + problem.base_cost)
     candidate = problem.build(exact)
     estimate = _peak(candidate)
