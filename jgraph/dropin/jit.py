@@ -31,15 +31,15 @@ a donated argument's leaves donated, the user's other `jax.jit` options passed t
 `step.lower(*args)` lowers it.
 
 Flax NNX objects (an `nnx.Module`, `nnx.Optimizer`, `nnx.MultiMetric`, an `nnx.Variable`: anything
-`flax.nnx` splits) in the arguments are handled as `nnx.jit` handles them (`_split_nodes`): they
-are split together (`nnx.split`, shared Variables once), each object's place in its argument
-left as a `_NodeRef`, and each object's state appended as an argument of its own, donated where
-its argument is. The step runs on objects merged from those states (`nnx.merge`, one graphdef,
-static); after it the objects are split again, their states returned ahead of the step's
-results, and the caller's objects updated in place (`nnx.update`), donated or not. So the
-model's arrays the gradient call differentiates are params, the optimizer's and the metrics'
-arrays state, and `optimizer.update(model, grads)` in the step is the update the planner may
-fuse. What `nnx.jit` allows and this does not is an error: a step that changes an object's
+`flax.nnx` splits) in the arguments are handled as `nnx.jit` handles them
+(`jgraph.dropin.nnx_objects`): they are split together (`nnx.split`, shared Variables once), each
+object's place in its argument left as a `NodeRef`, and each object's state appended as an argument
+of its own, donated where its argument is. The step runs on objects merged from those states
+(`nnx.merge`, one graphdef, static); after it the objects are split again, their states returned
+ahead of the step's results, and the caller's objects updated in place (`nnx.update`), donated or
+not. So the model's arrays the gradient call differentiates are params, the optimizer's and the
+metrics' arrays state, and `optimizer.update(model, grads)` in the step is the update the planner
+may fuse. What `nnx.jit` allows and this does not is an error: a step that changes an object's
 structure (adds or removes a Variable or a submodule), or returns an NNX object. `flax.nnx` is
 never imported here: an NNX object exists only where the user has imported it.
 
@@ -51,7 +51,6 @@ with a budget that is an error naming the fix (`jg.value_and_grad`, the same sig
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass, field
 
 import jax
@@ -60,7 +59,7 @@ from jax.extend import core as jex_core
 
 from jgraph import _jax_internals as internals
 from jgraph.builder import Builder, handler
-from jgraph.dropin import recording
+from jgraph.dropin import nnx_objects, recording
 from jgraph.dropin.arguments import ArgumentError
 from jgraph.fuse import without_grads
 from jgraph.ir import Eqn, Graph, Var
@@ -231,108 +230,6 @@ class _Parts:
         return [sum(mask) for mask in self.masks]
 
 
-def _nnx():
-    """`flax.nnx` where the user has imported it (no NNX object exists before that), else None."""
-    return sys.modules.get("flax.nnx")
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclass(frozen=True)
-class _NodeRef:
-    """Where an NNX object stood in an argument: no leaves, the object's number as aux data."""
-
-    index: int
-
-    def tree_flatten(self):
-        return (), self.index
-
-    @classmethod
-    def tree_unflatten(cls, index, _):
-        return cls(index)
-
-
-@jax.tree_util.register_pytree_node_class
-class _NodeState:
-    """An NNX object's state as an argument of the step (its arrays traced); static: the
-    graphdef of all the step's NNX objects, and the position of the argument holding it."""
-
-    def __init__(self, graphdef, owner: int, state):
-        self.graphdef, self.owner, self.state = graphdef, owner, state
-
-    def tree_flatten(self):
-        return (self.state,), (self.graphdef, self.owner)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*aux, children[0])
-
-
-def _split_nodes(args, static) -> tuple[list, tuple]:
-    """The step's arguments with their NNX objects split out (module docstring), and the
-    objects, in the order of the appended states."""
-    nnx = _nnx()
-    if nnx is None:
-        return list(args), ()
-    pure, nodes, owners, number = list(args), [], [], {}
-    for i, a in enumerate(args):
-        if i in static:
-            continue
-        flat, tree = jax.tree.flatten(a, is_leaf=_is_node)
-        if not any(map(_is_node, flat)):
-            continue
-        for j, x in enumerate(flat):
-            if _is_node(x):
-                if id(x) not in number:
-                    number[id(x)] = len(nodes)
-                    nodes.append(x)
-                    owners.append(i)
-                flat[j] = _NodeRef(number[id(x)])
-        pure[i] = jax.tree.unflatten(tree, flat)
-    if not nodes:
-        return pure, ()
-    graphdef, state = nnx.split(tuple(nodes))
-    pure += [_NodeState(graphdef, o, _part(state, k)) for k, o in enumerate(owners)]
-    return pure, tuple(nodes)
-
-
-def _is_node(x) -> bool:
-    nnx = _nnx()
-    return nnx is not None and isinstance(x, (nnx.Pytree, nnx.Variable))
-
-
-def _part(state, k: int):
-    """Object k's state in the state `nnx.split` made of a tuple of objects (empty where the
-    object has none, or its Variables are all another's, shared)."""
-    return state[k] if k in state else _nnx().State({})
-
-
-def _whole(states) -> object:
-    return _nnx().State({k: s.state for k, s in enumerate(states)})
-
-
-def _with_nodes(fun, args, n: int):
-    """`fun` on the step's arguments with the NNX objects merged from their states (the last
-    `n` arguments), returning the objects' new states and `fun`'s result."""
-    nnx, states = _nnx(), args[len(args) - n:]
-    graphdef = states[0].graphdef
-    objects = nnx.merge(graphdef, _whole(states))
-    out = fun(*[jax.tree.map(lambda x: objects[x.index] if isinstance(x, _NodeRef) else x, a,
-                             is_leaf=lambda x: isinstance(x, _NodeRef))
-                for a in args[:len(args) - n]])
-    if any(map(_is_node, jax.tree.leaves(out, is_leaf=_is_node))):
-        raise ArgumentError("jg.jit: the step returns an NNX object, which nnx.jit allows and "
-                            "jg.jit does not; return its state (nnx.state(obj)), or pass the "
-                            "object as an argument: jg.jit updates it in place")
-    new_graphdef, new_state = nnx.split(objects)
-    if new_graphdef != graphdef:
-        raise ArgumentError("jg.jit: the step changed the structure of an NNX argument (added or "
-                            "removed a Variable or a submodule, or changed a static attribute), "
-                            "which nnx.jit allows and jg.jit does not (it writes back an object's "
-                            "values only); make the change outside the step")
-    return tuple(_NodeState(graphdef, s.owner, _part(new_state, k))
-                 for k, s in enumerate(states)), out
-
-
 class Jit:
     """The transform `jg.jit(fun, ...)` returns."""
 
@@ -355,25 +252,26 @@ class Jit:
         if kwargs:
             raise ArgumentError(f"jg.jit: pass the step's arguments by position (got keyword "
                                 f"arguments {sorted(kwargs)})")
-        args, nodes = _split_nodes(args, self.static)
+        args, nodes = nnx_objects.split_nodes(args, self.static)
         parts, leaves = _Parts.of(args, self.static)
         result = self._traced(args).run(leaves)
         if not nodes:
             return result
         states, out = result
-        _nnx().update(nodes, _whole(states))  # as nnx.jit: the caller's objects, in place
+        # as nnx.jit: the caller's objects, in place
+        nnx_objects.flax_nnx().update(nodes, nnx_objects.whole(states))
         return out
 
     def graph(self, *args) -> Graph:
         """The step's graph for these arguments, as it runs (planned under the budget)."""
-        return self._traced(_split_nodes(args, self.static)[0]).graph
+        return self._traced(nnx_objects.split_nodes(args, self.static)[0]).graph
 
     def info(self, *args) -> dict:
         """What was traced and planned: the gradient calls spliced, the plan (`jg.remat`'s
         report, with the budget's figure and XLA's, and `fused`: the params whose update moved
         into the backward), the roles of the inputs, and `updates`: why updates were not fused
         (None where they could be)."""
-        traced = self._traced(_split_nodes(args, self.static)[0])
+        traced = self._traced(nnx_objects.split_nodes(args, self.static)[0])
         graph = traced.graph
         updates = None
         if not any(r.startswith("new_") for r in graph.output_roles):
@@ -387,7 +285,7 @@ class Jit:
 
     def lower(self, *args):
         """`jax.jit(...).lower` of the step for these arguments (ahead-of-time work)."""
-        args = _split_nodes(args, self.static)[0]
+        args = nnx_objects.split_nodes(args, self.static)[0]
         return self._traced(args).jitted.lower(*_Parts.of(args, self.static)[1])
 
     # -- tracing -------------------------------------------------------------------------------
@@ -417,14 +315,14 @@ class Jit:
         return found
 
     def _trace(self, args) -> _Traced:
-        """Trace the step for these arguments (NNX objects split out: `_split_nodes`)."""
+        """Trace the step for these arguments (NNX objects split out: `nnx_objects.split_nodes`)."""
         parts, leaves = _Parts.of(args, self.static)
         fun, outputs = self.fun, []
-        nodes = sum(isinstance(a, _NodeState) for a in args)
+        nodes = sum(isinstance(a, nnx_objects.NodeState) for a in args)
 
         def step(*traced):
             full = parts.args(traced)
-            out = _with_nodes(fun, full, nodes) if nodes else fun(*full)
+            out = nnx_objects.with_nodes(fun, full, nodes) if nodes else fun(*full)
             flat, tree = jax.tree.flatten(out)
             mask = tuple(isinstance(x, jax.core.Tracer) or isinstance(x, ARRAYS) for x in flat)
             outputs.append((tree, mask, tuple(x for x, m in zip(flat, mask, strict=True)
@@ -438,7 +336,7 @@ class Jit:
             raise ArgumentError("jg.jit: the step closes over values traced by an enclosing "
                                 "transform; pass them as arguments")
         donated = {i for i in parts.positions if i in self.donate or (
-            isinstance(args[i], _NodeState) and args[i].owner in self.donate)}
+            isinstance(args[i], nnx_objects.NodeState) and args[i].owner in self.donate)}
         roles = []
         for i, n in zip(parts.positions, parts.counts(), strict=True):
             roles += ["opt_state" if i in donated else "data"] * n
