@@ -7,14 +7,33 @@ float64 (finite differences, exact references) is marked `@pytest.mark.f64`: it 
 Hypothesis profiles: `ci` (small, the default) and `thorough` (`HYPOTHESIS_PROFILE=thorough`).
 """
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 
-import jax
-import pytest
-from hypothesis import HealthCheck, settings
+# XLA's executables cached on disk for this run of the suite (JAX's persistent compilation cache,
+# every program however short its compile): the suite compiles the same programs again and again
+# (each model's step under several transforms and tests; a child process the same steps as its
+# parent). The folder is made by the first process (pytest, or its controller with `-n`): its
+# workers and children inherit it by the environment, and it is removed when that process ends,
+# so no run reads another's. Set JAX_COMPILATION_CACHE_DIR to choose one yourself.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jgraph-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jgraph
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import jgraph  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Every graph the suite traces, and every graph a transform is given, gets the full `jg.check`.
 jgraph.config.check_graphs = True
@@ -55,7 +74,7 @@ def sigint_handler():
 # The files that take longest (minutes each on a loaded 2-core machine) start first: with
 # `-n 2 --dist loadfile` each worker takes the next file when it is done, so the short files then
 # fill in at the end and the two workers end together, not one running a long file alone.
-LONGEST_FIRST = ("test_sharding.py", "test_remat_step.py", "test_planner.py",
+LONGEST_FIRST = ("test_remat_step.py", "test_planner.py",
                  "test_planner_step.py", "test_properties.py", "test_properties_training.py",
                  "test_planner_hand.py", "test_fusion_cuts.py", "test_interrupts.py",
                  "test_fused_interrupts.py", "test_real_models.py", "test_sweep_issue19.py",

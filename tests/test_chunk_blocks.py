@@ -106,11 +106,13 @@ RUNS = [(fn, params, chunks) for fn, params in CASES  # 3 blocks of 7, 7, 6; 4 o
         for chunks in ([3, 4] if fn is causal_tril else [3])]
 # blocks that divide the positions: opt-in here (`-m slow`); by default
 # `test_a_padded_batch_with_a_loss_head_chunks_both` runs 4 blocks of 5 against JAX
-OPT_IN = {(causal_tril, 4)}
+OPT_IN = {(causal_tril, 4)}  # opt-in (`-m slow`)
+EXTENDED = {(causal_tril, 3)}  # `.ci/run`'s extended stage
 
 
 @pytest.mark.parametrize("fn, params, chunks", [
-    pytest.param(*r, marks=pytest.mark.slow) if (r[0], r[2]) in OPT_IN else r for r in RUNS],
+    pytest.param(*r, marks=pytest.mark.slow) if (r[0], r[2]) in OPT_IN else
+    pytest.param(*r, marks=pytest.mark.extended) if (r[0], r[2]) in EXTENDED else r for r in RUNS],
     ids=[f"{fn.__name__}-{chunks}" for fn, _, chunks in RUNS])
 def test_attention_runs_over_blocks_of_queries(fn, params, chunks):
     gb = jg.backward(jg.trace(fn, params, X, param_argnums=0))

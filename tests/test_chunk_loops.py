@@ -57,6 +57,7 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("chunks", [5], ids=["remainder"])
 def test_a_scanned_layers_mlp_and_attention_run_in_chunks_inside_the_body(chunks):
     gb = jg.backward(jg.trace(scanned_lm, PARAMS, TOKENS, param_argnums=0))

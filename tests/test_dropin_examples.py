@@ -46,7 +46,15 @@ def rel_error(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# the heaviest cases run in `.ci/run`'s extended stage (`-m extended`), after the default suite
+HEAVY = {"flax_scan_lm", "flax_scan_lm_jit", "equinox_jit"}
+
+
+def _cases(names):
+    return [pytest.param(n, marks=pytest.mark.extended) if n in HEAVY else n for n in sorted(names)]
+
+
+@pytest.mark.parametrize("name", _cases(CASES))
 def test_example_trains_like_its_library(name, monkeypatch):
     ours_call, theirs_call, params_of = CASES[name]
     path = EXAMPLES / f"{name}.py"
@@ -104,7 +112,7 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(JIT_CASES))
+@pytest.mark.parametrize("name", _cases(JIT_CASES))
 def test_whole_step_twin_trains_like_its_library(name, monkeypatch):
     """The budgeted twins (`jg.jit` over the whole step): two lines undone, 20 steps each, the
     same parameters bitwise (recomputation changes no sum)."""

@@ -156,6 +156,7 @@ def results(folder: Path, name: str) -> tuple[dict, dict]:
         return dict(arrays), json.loads((folder / f"{name}.json").read_text())
 
 
+@pytest.mark.extended
 def test_sigint_in_fit_with_fused_updates_stops_cleanly_and_resumes_bitwise(tmp_path):
     deadline = time.monotonic() + 5 * MINUTE
     path = tmp_path / "ckpt.jgs"

@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,6 +81,7 @@ def per_layer(widths, entries, acts, policy) -> int:
     return xla_temp(jg.remat(jg.backward(jg.trace(fn, *args, param_argnums=0))))
 
 
+@pytest.mark.extended
 @EXAMPLES
 @given(skip_chains())
 def test_least_plan_holds_per_layer_checkpoint(drawn):

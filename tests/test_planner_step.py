@@ -71,6 +71,7 @@ def test_a_budget_on_the_whole_step_is_met_and_the_step_is_unchanged():
 
 
 # -- beyond recomputation: fused updates and the loss head in chunks as plan options ----------
+@pytest.mark.extended
 def test_a_step_whose_fused_updates_fit_gets_them():
     """A parameter-heavy scanned MLP: fusing adam into the backward scan takes the step's temp
     to about 57% of the unfused step's, with no recompute: a 70% budget is met that way."""
@@ -170,6 +171,7 @@ def test_the_planning_time_reported_covers_every_attempt(monkeypatch):
     assert report["planning_seconds"] + report["xla_seconds"] == pytest.approx(20.0)
 
 
+@pytest.mark.extended
 def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
     """The loss head over chunks of rows is planned in every loop mode: a scanned residual MLP
     under a wide head meets a budget below what the chunked head reaches with the scan as

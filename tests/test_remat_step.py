@@ -43,7 +43,8 @@ def loss(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(params, x), y).mean()
 
 
-@pytest.mark.parametrize("batch", [16, pytest.param(512, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [pytest.param(16, marks=pytest.mark.extended),
+                                   pytest.param(512, marks=pytest.mark.slow)])
 def test_a_budget_with_a_period_keeps_the_better_of_both_orders(batch):
     # recomputation only (chunks=None): the loss head in chunks of rows meets the budget at 512
     # (512, where planning before accumulation wins, is opt-in, `-m slow`: the default run sees
@@ -129,6 +130,7 @@ def test_a_mesh_with_a_period_plans_its_shard_step_alike():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.extended
 def test_a_guarded_step_with_a_period_is_planned_as_it_runs():
     """`on_nonfinite="raise"` (`jg.fit`'s default) runs each accumulated micro-step behind a
     guard that keeps the old accumulator beside the new until the step is known finite: the
@@ -163,7 +165,8 @@ def test_a_guarded_step_with_a_period_is_planned_as_it_runs():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("ignore", marks=pytest.mark.slow), "raise"])
+@pytest.mark.parametrize("mode", [pytest.param("ignore", marks=pytest.mark.slow),
+                                  pytest.param("raise", marks=pytest.mark.extended)])
 def test_the_step_ending_a_period_is_planned_too(mode):  # "ignore": opt-in, `-m slow`
     """With a period, the step that ends it (the update appended) runs once per period and
     holds the params, adam's state and the accumulators at once; with "raise" its guard keeps

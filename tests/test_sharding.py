@@ -215,6 +215,7 @@ def test_mesh_arguments_are_checked():
 
 
 # -- many devices, in a child process ------------------------------------------------------------
+@pytest.mark.extended
 def test_params_equal_the_single_device_run(suite):
     """8 optimizer steps on 1, 2, 4 and 8 devices, period 1 and 4, with remat and with FSDP."""
     equal = {name: r for name, r in suite.items() if name.startswith("equal")}
@@ -226,6 +227,7 @@ def test_params_equal_the_single_device_run(suite):
         assert r["specs_kept"], name  # params keep their sharding through every step
 
 
+@pytest.mark.extended
 def test_jg_jit_takes_shardings_as_jax_jit_does(suite):
     """`jg.jit(in_shardings=, out_shardings=)` on 4 devices: a prefix of the arguments (the
     static one left out) and of the result, replicated or FSDP params, a batch split on the
@@ -235,6 +237,7 @@ def test_jg_jit_takes_shardings_as_jax_jit_does(suite):
         assert r["rel"] <= RTOL and r["specs_kept"] and r["loss_spec"] == "P()", r
 
 
+@pytest.mark.extended
 def test_gradients_cross_devices_once_per_period(suite):
     """Compiled HLO: with period 4 the grad executable has no collective; the opt executable
     reduces the accumulated gradients once (XLA combines the leaves into one all-reduce)."""
@@ -254,6 +257,7 @@ def test_gradients_cross_devices_once_per_period(suite):
     assert r["grad"]["all-gather"] >= 1 and r["opt"]["all-reduce"] > r["grad"]["all-reduce"]
 
 
+@pytest.mark.extended
 def test_sharding_constraint_in_the_model(suite):
     for period in (1, 4):
         r = suite[f"constraint period={period}"]
@@ -265,6 +269,7 @@ def test_sharding_constraint_in_the_model(suite):
     assert suite["constraint period=4"]["grad"] == ["P(None, None)"] * 2
 
 
+@pytest.mark.extended
 def test_state_files_move_between_meshes(suite):
     """Saved on 4 devices at a period boundary (micro-step 8) and mid-period (micro-step 6);
     resumed on 4, 2, 8 devices and on none; compared with the uninterrupted 4-device run."""
@@ -275,6 +280,7 @@ def test_state_files_move_between_meshes(suite):
     assert suite["grad_acc mid-period"]["rel"] <= RTOL
 
 
+@pytest.mark.extended
 def test_fit_and_dataset_on_a_mesh(suite):
     for name in ("fit dataset mesh", "fit mesh argument"):
         assert suite[name]["rel"] <= RTOL, suite[name]
@@ -283,12 +289,14 @@ def test_fit_and_dataset_on_a_mesh(suite):
     np.testing.assert_allclose(*suite["fit dataset mesh"]["val"], rtol=RTOL)
 
 
+@pytest.mark.extended
 def test_fit_checkpoints_resume_on_a_mesh(suite):
     r = suite["fit resume k=4"]
     assert r["bitwise"] and r["epochs"] == 2, r
     assert suite["fit resume k=2"]["rel"] <= RTOL
 
 
+@pytest.mark.extended
 def test_prng_keys_in_params_on_a_mesh(suite):
     assert suite["keys period=1"]["rel"] <= RTOL  # the whole micro-batch: one device's draws
     for period in (1, 4):
@@ -298,12 +306,14 @@ def test_prng_keys_in_params_on_a_mesh(suite):
     assert len(sums) == 4 and len(set(sums)) == 4, sums
 
 
+@pytest.mark.extended
 def test_step_period_and_nonfinite_on_a_mesh(suite):
     assert suite["step_period"]["rel"] <= RTOL
     assert suite["nonfinite raise"]["raised_and_kept"]
     assert suite["nonfinite skip"] == {"kept": True, "finite": False}
 
 
+@pytest.mark.extended
 def test_errors_on_a_mesh(suite):
     errors = suite["errors"]
     expected = {"dataset batch": "batch size 6 is not divisible by the 4 devices",
@@ -332,6 +342,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.extended
 def test_two_processes_equal_the_single_process_run(tmp_path):
     """`jax.distributed` with 2 processes x 2 host devices (gloo collectives): their run, saved by
     `Optimizer.save` (gathered, written by process 0), equals the run without a mesh here."""

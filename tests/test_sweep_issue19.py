@@ -70,7 +70,8 @@ def _bad(outcomes):
             if kind != "good"}
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.extended) if g == "training"
+                                   else g for g in GROUPS])
 def test_sweep(group):
     bad = _bad(sweep(group, slow=False))
     assert not bad, bad
