@@ -52,6 +52,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "f64: run the test with jax_enable_x64 on (scoped)")
+    if "tpu" in (config.option.markexpr or ""):  # TPU programs compiled ahead of time for a
+        jax.config.update("jax_enable_compilation_cache", False)  # topology: none to load
 
 
 @pytest.fixture(autouse=True)
