@@ -327,6 +327,7 @@ def kernels(eqns: list[Eqn], root, external: set[Var], workspace,
         for a in dict.fromkeys(root(a) for a in e.inputs):
             if isinstance(a, Var):
                 readers.setdefault(a, []).append(e)
+    paths = _on_all_paths(producer, kinds, readers, index)
     unfused = {v: set(rs) for v, rs in readers.items()}  # reader edges not yet fused
     needed: set[Eqn] = set()
     found: list[Kernel] = []
@@ -339,7 +340,8 @@ def kernels(eqns: list[Eqn], root, external: set[Var], workspace,
         kernel.order = index[eqn]
         kernel.workspace = workspace(eqn)
         if kinds[eqn] in GROWS:
-            _grow(kernel, producer, kinds, readers, unfused, needed, index, external, verdict)
+            _grow(kernel, producer, kinds, readers, unfused, needed, index, external, verdict,
+                  paths)
         else:
             for a in eqn.inputs:
                 p = producer.get(a)
@@ -379,7 +381,7 @@ def _verdicts(decided: dict, producer: dict, kinds: dict):
 
 
 def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
-          verdict=lambda eqn: None) -> None:
+          verdict=lambda eqn: None, paths=lambda p: True) -> None:
     """Fuse producers into `kernel`, latest first, while XLA would."""
     members = {kernel.root}
     reused = {kernel.root: False}  # members whose elements the kernel reads more than once
@@ -417,7 +419,8 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
         said = verdict(p)
         if out is not None and said is not True and (
                 (said is False and kinds[p] in FUSIBLE and not library)
-                or _fusible(p, kinds, readers, outside, reuse, external, broadcast, library)):
+                or _fusible(p, kinds, readers, outside, reuse, external, broadcast, library,
+                            paths)):
             members.add(p)
             reused[p] = reuse
             if outside:
@@ -432,10 +435,12 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
             needed.add(p)
 
 
-def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library) -> bool:
+def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library,
+             paths=lambda p: True) -> bool:
     """Whether XLA fuses producer `p` into a kernel (`outside`: p has readers outside it, so
     fusing duplicates it; `reuse`: the kernel reads p's elements more than once; `library`: the
-    kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads)."""
+    kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads;
+    `paths(p)`: every path from p to each of its readers runs through loop fusions alone)."""
     kind, out = kinds[p], p.outputs[0]
     if library:  # formed before loop fusion: p must have no other reader in the program
         return not outside and (
@@ -447,14 +452,47 @@ def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library) ->
     if outside:
         if expensive and not opkinds.always_duplicated(p):
             return False
-        if opkinds.shrinks(p, broadcast) and (out in external or any(
-                kinds[r] not in LOOP for r in readers[out])):
+        if opkinds.shrinks(p, broadcast) and (out in external or not paths(p)):
             return False
     if expensive and reuse:
         return False
     if p.op == "concatenate" and len(p.inputs) > 8:
         return False
     return True
+
+
+def _on_all_paths(producer, kinds, readers, index):
+    """`paths(p)`: whether XLA may duplicate producer `p` into all of its readers
+    (`CanFuseOnAllPaths` of `ComputeGloballyUnfusible`): every eqn on every path from p to a
+    reader, the reader included, is one a loop fusion takes. A guard's `where(ok, new, old)`
+    reads `new` directly and through `ok`, the tree reduction of `is_finite(new)` (a
+    reduce_window no loop fusion takes): `new` is written once, to a buffer, not recomputed
+    in both."""
+    known: dict = {}
+
+    def paths(p) -> bool:
+        if p not in known:
+            direct = readers[p.outputs[0]]
+            last = max(index[r] for r in direct)
+            below, frontier = {p}, [p]  # what p reaches, up to its last reader
+            while frontier:
+                for v in frontier.pop().outputs:
+                    for r in readers.get(v, ()):
+                        if r not in below and index[r] <= last:
+                            below.add(r)
+                            frontier.append(r)
+            fine, seen, todo = True, set(), list(direct)
+            while todo and fine:  # from each reader back to p, through what p reaches
+                n = todo.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                fine = kinds[n] in LOOP
+                todo += [q for q in (producer.get(a) for a in n.inputs)
+                         if q is not None and q is not p and q in below]
+            known[p] = fine
+        return known[p]
+    return paths
 
 
 def shareable(kernel: Kernel) -> bool:
