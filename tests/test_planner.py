@@ -136,6 +136,36 @@ def test_a_percentage_no_plan_reaches_returns_the_least_plan_with_a_warning(chai
     assert_same_gradients(gb, gr, fn, args)
 
 
+def test_the_least_plan_of_a_step_takes_two_compiles_beyond_the_unplanned(monkeypatch):
+    """A percentage no plan reaches, on a step over `SMALL_STEP` of temp: the model ranks every
+    candidate (its plans, a checkpoint per stage, the hand arrangements) and only the two it
+    puts least are compiled, beside the unplanned step a percentage needs; the plan returned
+    needs no more than a `jax.checkpoint` per layer under either policy."""
+    from jgraph.memory import compiled
+    from jgraph.planner.search import SMALL_STEP
+
+    fn, args = chain(layers=12, width=64, batch=1024)
+    gb = joint(fn, *args)
+    assert jg.compiled_memory(gb, *args).temp_bytes > SMALL_STEP
+    per_layer = []
+    for policy in (jax.checkpoint_policies.nothing_saveable,
+                   jax.checkpoint_policies.dots_saveable):
+        def checkpointed(ps, h, policy=policy):
+            for w, b in ps:
+                h = jax.checkpoint(lambda h, w, b: jnp.tanh(h @ w + b), policy=policy)(h, w, b)
+            return jnp.mean(h * h)
+        per_layer.append(jg.compiled_memory(jg.remat(joint(checkpointed, *args)),
+                                            *args).temp_bytes)
+    measured, compiles = compiled._measured, []
+    monkeypatch.setattr(compiled, "_measured", lambda *a: compiles.append(a) or measured(*a))
+    monkeypatch.setattr(compiled, "_CACHE", {})
+    with pytest.warns(jg.BudgetWarning, match="no plan reaches"):
+        gr = jg.remat(gb, budget="1%")
+    assert len(compiles) <= 3, len(compiles)
+    assert gr.info["remat"]["confirmed"] == "compiled"
+    assert gr.info["remat"]["xla_temp"] <= min(per_layer), (gr.info["remat"], per_layer)
+
+
 def test_a_tiny_graph_nothing_lowers_keeps_no_remat_with_a_warning():
     """Parameters and gradients alone set the temp of a two-layer MLP on 2 rows: no plan lowers
     it, so "50%" returns the graph without remat (and says so)."""

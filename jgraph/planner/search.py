@@ -304,8 +304,7 @@ def _said(graph: Graph, said: list) -> Graph:
 AUTO_MILP_FLOOR = 0.25  # seconds the MILP of planner="auto" may always take
 CONFIRMS = 2  # plans made on the model and compiled, before every candidate is compiled
 LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage
-HAND_MARGIN = 0.25  # and the hand arrangements the model puts within this share of the least
-SMALL_STEP = 2**20  # (all of them on a step of less temp: its compiles take little time)
+SMALL_STEP = 2**20  # (and every hand arrangement, on a step of less temp: `_least`)
 
 
 def _hand_arrangements(by_mode: dict) -> list[tuple[float, Plan, Graph]]:
@@ -472,23 +471,19 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
            started: float) -> Graph:
     """A percentage no plan reaches: the plan reaching the least temp (no remat when none
     lowers it), with a `BudgetWarning` naming both figures. On the model, the `LEAST_COMPILED`
-    plans it puts least and the hand arrangements it puts near them (`HAND_MARGIN`; all of
-    them on a step of less than `SMALL_STEP` of temp, where the model's error is largest
-    and a compile takes little time) are compiled, and the least compiled is returned: a few
-    compiles, not one per candidate. A byte budget is a hard limit (the memory a device has)
-    and is an error instead; a percentage is a share of this graph's own
-    temp, which on a small graph (parameters and gradients alone) nothing lowers."""
+    plans it puts least (the hand arrangements among the candidates) are compiled, and the
+    least compiled is returned: two compiles, not one per candidate; on a step of less than
+    `SMALL_STEP` of temp, where each buffer is a few alignments and the model ranks loosely
+    (and a compile takes milliseconds), every hand arrangement too. A byte budget is a hard
+    limit (the memory a device has) and is an error instead; a percentage is a share of this
+    graph's own temp, which on a small graph (parameters and gradients alone) nothing lowers."""
     no_remat = report["no_remat_temp"]
     unplanned = report.get("finished_temp", no_remat)  # `plain` as it runs (finished)
-    if validate.on_the_model():  # the model ranks the least plans; the few it puts least and
-        # the arrangements a user writes near them are compiled (on TPU at the budget's size),
-        # and the least of those is the plan
-        ranked = sorted(smallest, key=lambda s: s[2])
-        near = (1 + HAND_MARGIN) * ranked[0][2] if ranked else 0
-        if no_remat < SMALL_STEP:  # each buffer a few alignments: the model ranks loosely
-            near = float("inf")
-        ranked = ranked[:LEAST_COMPILED] + [s for s in ranked[LEAST_COMPILED:]
-                                            if s[0].label.startswith(HAND) and s[2] <= near]
+    if validate.on_the_model():  # the model ranks the least plans; the two it puts least are
+        # compiled (on TPU at the budget's size), and the least of those is the plan
+        ranked = _distinct(sorted(smallest, key=lambda s: s[2]))
+        ranked = ranked[:LEAST_COMPILED] + [s for s in ranked[LEAST_COMPILED:] if
+                                            no_remat < SMALL_STEP and s[0].label.startswith(HAND)]
         modelled = {id(c): t for _, c, t in ranked}
         modelled[id(plain)] = unplanned
         with validate.on_model(None):
@@ -512,6 +507,19 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
     return _reported(candidate, report, "no remat" if plan is None else
                      plan.describe(), _peak(candidate), temp, len(tried) - 1,
                      0.0 if plan is None else recompute_flops(candidate), started)
+
+
+def _distinct(ranked: list) -> list:
+    """`(plan, graph, figure)` candidates, one per arrangement: two plans reaching the same
+    model figure with the same recompute (the DP's least plan and a checkpoint per stage, one
+    mode's plan and another's) are one arrangement, compiled once."""
+    seen, found = set(), []
+    for s in ranked:
+        key = (s[2], recompute_flops(s[1]))
+        if key not in seen:
+            seen.add(key)
+            found.append(s)
+    return found
 
 
 def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None = None
