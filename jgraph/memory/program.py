@@ -380,8 +380,8 @@ def _verdicts(decided: dict, producer: dict, kinds: dict):
     return verdict
 
 
-def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
-          verdict=lambda eqn: None, paths=lambda p: True) -> None:
+def _grow(kernel, producer, kinds, readers, unfused, needed, index, external, verdict,
+          paths) -> None:
     """Fuse producers into `kernel`, latest first, while XLA would."""
     members = {kernel.root}
     reused = {kernel.root: False}  # members whose elements the kernel reads more than once
@@ -435,8 +435,7 @@ def _grow(kernel, producer, kinds, readers, unfused, needed, index, external,
             needed.add(p)
 
 
-def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library,
-             paths=lambda p: True) -> bool:
+def _fusible(p, kinds, readers, outside, reuse, external, broadcast, library, paths) -> bool:
     """Whether XLA fuses producer `p` into a kernel (`outside`: p has readers outside it, so
     fusing duplicates it; `reuse`: the kernel reads p's elements more than once; `library`: the
     kernel is a YNNPACK reduction, which takes elementwise producers nothing else reads;

@@ -482,8 +482,8 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
     if validate.on_the_model():  # the model ranks the least plans; the two it puts least are
         # compiled (on TPU at the budget's size), and the least of those is the plan
         ranked = _distinct(sorted(smallest, key=lambda s: s[2]))
-        ranked = ranked[:LEAST_COMPILED] + [s for s in ranked[LEAST_COMPILED:] if
-                                            no_remat < SMALL_STEP and s[0].label.startswith(HAND)]
+        hands = [s for s in ranked[LEAST_COMPILED:] if s[0].label.startswith(HAND)]
+        ranked = ranked[:LEAST_COMPILED] + (hands if no_remat < SMALL_STEP else [])
         modelled = {id(c): t for _, c, t in ranked}
         modelled[id(plain)] = unplanned
         with validate.on_model(None):
