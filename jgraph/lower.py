@@ -300,15 +300,8 @@ def _fuses(reader: Eqn, k: int, producer: Eqn, readers: list) -> Var | tuple | N
 
 
 def _transposed_copy(dot: Eqn, k: int) -> bool:
-    """Whether XLA:CPU copies operand `k` of a dot into another layout (`opkinds`), which it also
-    does where the dot contracts several leading dimensions of an operand of rank 3 or more (the
-    weight gradient of a layer applied over batch and sequence: XLA collapses them and
-    transposes an operand for its dot kernel)."""
-    (contracting, batch) = (d[k] for d in dot.params["dimension_numbers"])
-    rank = len(dot.inputs[k].aval.shape)
-    return opkinds.dot_operand_copies(dot)[k] or (
-        rank > 2 and not batch and len(contracting) > 1 and rank - 1 not in contracting
-    )
+    """Whether XLA:CPU copies operand `k` of a dot into another layout (`opkinds`)."""
+    return opkinds.dot_operand_layout(dot, k) is not None
 
 
 def _cuttable(aval) -> bool:

@@ -165,8 +165,9 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if eqn.op == "scan":
             inputs = tuple(inputs) + _ys_stacks(ops, eqn)
         copies = COPIES[eqn.op](eqn) if eqn.op in COPIES else ()
-        if any(copies):
-            inputs = tuple(_operand_copy(ops, a, eqn) if c and isinstance(a, Var) else a
+        if any(c is not None for c in copies):
+            inputs = tuple(_operand_copy(ops, a, eqn, c) if c is not None and isinstance(a, Var)
+                           else a
                            for a, c in zip(inputs[:2], copies, strict=True)) + inputs[2:]
         outputs = eqn.outputs
         predicate = None
@@ -301,10 +302,16 @@ def _ys_stacks(ops: Ops, scan: Eqn) -> tuple:
     return tuple(stacks)
 
 
-def _operand_copy(ops: Ops, a: Var, dot: Eqn) -> Var:
-    out = Var(a.aval)
-    _emit(ops, Eqn("operand_copy", (a,), {}, (out,), dot.tags, dot.regions, dot.source), dot)
-    return out
+def _operand_copy(ops: Ops, a: Var, dot: Eqn, layout) -> Var:
+    """The copy of `a` in `layout` that `dot` reads: one per value and layout (XLA's CSE: the
+    query, key and value projections of one input share its transposed copy)."""
+    key = ("operand_copy", ops.root(a), layout)
+    if key not in ops.seen:
+        out = Var(a.aval)
+        _emit(ops, Eqn("operand_copy", (a,), {}, (out,), dot.tags, dot.regions, dot.source),
+              dot)
+        ops.seen[key] = (out,)
+    return ops.seen[key][0]
 
 
 def kernels(eqns: list[Eqn], root, external: set[Var], workspace,
@@ -345,8 +352,11 @@ def kernels(eqns: list[Eqn], root, external: set[Var], workspace,
         else:
             for a in eqn.inputs:
                 p = producer.get(a)
-                if p is not None and kinds[eqn] == "dot" and p.op == "transpose":
-                    kernel.eqns.append(p)  # folded into the dot: it reads the transpose's input
+                if p is not None and kinds[eqn] == "dot" and p.op == "transpose" \
+                        and a.aval.shape == p.outputs[0].aval.shape:
+                    # folded into the dot, which reads the transpose's input (not through a
+                    # reshape: XLA folds a transpose only into the dot reading it)
+                    kernel.eqns.append(p)
                     unfused[p.outputs[0]].discard(eqn)
                     for b in p.inputs:
                         if b in producer:
