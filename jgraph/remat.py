@@ -23,7 +23,7 @@ from jgraph.fuse import STATE_OF, fuse_updates, with_grads, without_grads
 from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
 from jgraph.planner import validate as planner_validate
-from jgraph.planner.search import forward_and_tail, step_rewritten
+from jgraph.planner.search import forward_and_tail, least_of, pooled, step_rewritten
 from jgraph.planner.validate import xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
 from jgraph.target import Target, measuring_on, resolve
@@ -138,44 +138,72 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
         given = without_regions(given)
         reference = xla_temp(given if then is None else then(given))
     finish = _memo(finish)
-    results = [_attempt(graph, budget, planner, finish, reference)]
-    if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
-            and results[0][1] is None):
-        # the head and the token-wise MLPs in chunks; then attention over blocks of queries and
-        # the regions inside the loops' bodies too, which can cost more than they save in a plan
-        found = 0
-        for more in (False, True):
-            if more and any(r[0] is not None and r[1] is None for r in results):
-                break  # (planned only when nothing fits without them)
-            chunked = None if chunks is None else _chunked(graph, chunks, more)
-            if chunked is None or len(chunked.info["chunk_rows"]["regions"]) == found:
-                continue
-            found = len(chunked.info["chunk_rows"]["regions"])
-            if (_small_chunks(chunked.info["chunk_rows"]["regions"])
-                    and results[0][0] is not None and results[0][1] is None):
-                continue  # (small chunks are taken only when nothing else fits: not planned)
-            reference = reference or xla_temp(without_regions(graph))  # a share of the given
-            results.append(_attempt(graph, budget, planner, finish, reference,
-                                    _rows_in_chunks(chunks, more), chunked))
-    fitting = [r for r in results if r[0] is not None and r[1] is None]
+    unplanned = without_regions(graph)  # one compile calibrates the model for every attempt
+    with pooled() as pool:  # the least plans of every attempt, compiled together at the end
+        results = [_attempt(graph, budget, planner, finish, reference, calibrated_by=unplanned)]
+        if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
+                and results[0][1] is None):
+            # the head and the token-wise MLPs in chunks; then attention over blocks of queries
+            # and the regions inside the loops' bodies too, which can cost more than they save
+            found = 0
+            for more in (False, True):
+                if more and any(_fits(r) for r in results):
+                    break  # (planned only when nothing fits without them)
+                chunked = None if chunks is None else _chunked(graph, chunks, more)
+                if chunked is None or len(chunked.info["chunk_rows"]["regions"]) == found:
+                    continue
+                found = len(chunked.info["chunk_rows"]["regions"])
+                if _small_chunks(chunked.info["chunk_rows"]["regions"]) and _fits(results[0]):
+                    continue  # (small chunks are taken only when nothing else fits: not planned)
+                reference = reference or xla_temp(unplanned)  # a share of the given
+                before = len(pool)
+                results.append(_attempt(graph, budget, planner, finish, reference,
+                                        _rows_in_chunks(chunks, more), chunked, unplanned))
+                if len(pool) > before:  # its least plans: say what is chunked, if one is taken
+                    pool[-1].info["chunked"] = chunked.info["chunk_rows"]["regions"]
+    fitting = [r for r in results if _fits(r)]
     fitting = [r for r in fitting
                if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
     if fitting:
         return _timed(min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
                                                   r[0].info["remat"]["xla_temp"]))[0], results)
+    if pool:  # the least plans the model put least over every attempt, compiled together
+        results = [r for r in results if r[0] is None] + [_least_pooled(pool)]
     least = min(results, key=lambda r: r[3])
     graph_, problem = least[:2]
     graph_ = None if graph_ is None else _timed(graph_, results)
-    if least is not results[0]:  # say which graph the figures are of
+    if (least is not results[0] if not pool
+            else graph_ is not None and "chunked" in graph_.info["remat"]):
         said = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
-                             f"(jg.chunk_rows, chunks={chunks})")
+                             f"(jg.chunk_rows, chunks={chunks})")  # which graph it is of
         if hasattr(problem, "least_temp"):
             said.least_temp = problem.least_temp
         problem = said
     if isinstance(problem, BudgetWarning):
         warnings.warn(problem, stacklevel=3)
         return graph_
+    if problem is None:  # (the least plan compiled meets the budget after all)
+        return graph_
     raise problem
+
+
+def _fits(result) -> bool:
+    """Whether an attempt (`_attempt`) found a plan meeting the budget (not a least plan the
+    model ranked, waiting for its compile: `jgraph.planner.search.pooled`)."""
+    return result[0] is not None and result[1] is None \
+        and result[0].info["remat"].get("confirmed") != "pooled"
+
+
+def _least_pooled(pool):
+    """`_attempt`'s tuple for the least plan over every attempt's (`least_of`): its compiles'
+    seconds counted as compiling."""
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BudgetWarning)
+        graph = least_of(pool)
+    warned = next((w.message for w in caught if issubclass(w.category, BudgetWarning)), None)
+    spent = time.perf_counter() - started
+    return graph, warned, None, graph.info["remat"]["xla_temp"], 0.0, spent
 
 
 def _small_chunks(regions) -> bool:
@@ -201,16 +229,18 @@ def _timed(graph: Graph, results) -> Graph:
 
 
 def _attempt(graph: Graph, budget, planner: str, finish, reference: int | None = None,
-             rederive=None, chunked: Graph | None = None):
+             rederive=None, chunked: Graph | None = None, calibrated_by: Graph | None = None):
     """(the planned graph or None, the BudgetWarning or TransformError it met or None, the
     error when there is no graph, the least temp reached, the seconds planning and the seconds
     compiling it took). `rederive`: the rewrite (the loss head in chunks) planned in every loop
-    mode; `chunked`: `graph` as traced, rewritten."""
+    mode; `chunked`: `graph` as traced, rewritten; `calibrated_by`: the unplanned graph whose
+    compile calibrates the model (`remat_under_budget`)."""
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
         try:
-            planned = remat_under_budget(graph, budget, planner, finish, reference, rederive)
+            planned = remat_under_budget(graph, budget, planner, finish, reference, rederive,
+                                         calibrated_by)
         except TransformError as e:
             if not hasattr(e, "least_temp"):  # not the planner's "no plan fits"
                 raise

@@ -37,6 +37,8 @@ XLA took to compile the plans it checked.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import time
 import warnings
@@ -149,13 +151,18 @@ def with_tail(derived: Graph, graph: Graph, tail) -> Graph | None:
 
 
 def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
-                       reference: int | None = None, rederive=None) -> Graph:
+                       reference: int | None = None, rederive=None,
+                       calibrated_by: Graph | None = None) -> Graph:
     """See the module docstring. `finish` (Graph -> Graph, such as `jg.fuse_updates`) is
     applied to every graph a plan stands for, before XLA measures it: the plan space is that of
     the finished steps, and the graph returned is finished. `reference`: the no-remat temp a
     percentage budget is a share of, when `graph` is a rewrite of the graph the user gave (its
     loss head in chunks); `graph`'s own by default. `rederive`: a rewrite of `graph`'s joint
-    part (the loss head over chunks of rows) planned in every loop mode (`problems`)."""
+    part (the loss head over chunks of rows) planned in every loop mode (`problems`).
+    `calibrated_by`: the unplanned graph whose compile calibrates the model (`_confirmed`), when
+    `graph` is planned as a rewrite of it: the rewrite is predicted from that one compile
+    (the values it shares follow XLA's decisions there), not compiled for a calibration of its
+    own."""
     started, validate.seconds = time.perf_counter(), 0.0
     if planner not in PLANNERS:
         raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
@@ -258,7 +265,7 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
                          len(tried) - 1, recompute_flops(candidate), started)
 
     with validate.at_budget(target):  # on TPU: a graph compiled at the budget's size
-        return _confirmed(search, plain, target)
+        return _confirmed(search, plain if calibrated_by is None else calibrated_by, target)
 
 
 def _confirmed(search, plain: Graph, target: int) -> Graph:
@@ -467,6 +474,39 @@ def _smallest_plans(by_mode: dict, tried: dict):
     return found
 
 
+@dataclasses.dataclass
+class Least:
+    """One search's least plans where no plan meets a percentage, ranked on the model and not
+    yet compiled (`pooled`): `ranked` holds `(plan, graph, model figure)`, `plain` the step
+    without a plan; the rest is what `_least` reports with."""
+
+    plain: Graph
+    ranked: list
+    report: dict
+    budget: str
+    tried: dict
+    started: float
+    info: dict = dataclasses.field(default_factory=dict)  # added to the plan returned
+
+
+_POOL: contextvars.ContextVar = contextvars.ContextVar("jgraph_least_pool", default=None)
+
+
+@contextlib.contextmanager
+def pooled():
+    """Inside, a search meeting a percentage no plan reaches on the model compiles nothing: it
+    puts its ranked least plans (`Least`) in the list yielded and returns the model's least plan
+    (`info["remat"]["confirmed"] == "pooled"`); `least_of(pool)` then compiles the
+    `LEAST_COMPILED` plans the model puts least over every search (`jg.remat`'s attempts with
+    the loss head whole and in chunks: two compiles in all, not two per attempt)."""
+    pool: list[Least] = []
+    token = _POOL.set(pool)
+    try:
+        yield pool
+    finally:
+        _POOL.reset(token)
+
+
 def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
            started: float) -> Graph:
     """A percentage no plan reaches: the plan reaching the least temp (no remat when none
@@ -476,27 +516,67 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
     `SMALL_STEP` of temp, where each buffer is a few alignments and the model ranks loosely
     (and a compile takes milliseconds), every hand arrangement too. A byte budget is a hard
     limit (the memory a device has) and is an error instead; a percentage is a share of this
-    graph's own temp, which on a small graph (parameters and gradients alone) nothing lowers."""
+    graph's own temp, which on a small graph (parameters and gradients alone) nothing lowers.
+    Inside `pooled()` the compiles wait for `least_of`."""
+    if not validate.on_the_model():
+        return _least_found(Least(plain, smallest, report, budget, tried, started), smallest,
+                            None)
+    least = Least(plain, _distinct(sorted(smallest, key=lambda s: s[2])), report, budget,
+                  tried, started)
+    pool = _POOL.get()
+    if pool is None:
+        return least_of([least])
+    pool.append(least)
+    plan, candidate, figure = min(least.ranked, key=lambda s: s[2],
+                                  default=(None, plain, report["no_remat_temp"]))
+    return _reported(candidate, report | {"confirmed": "pooled"}, "pooled", _peak(candidate),
+                     figure, len(tried) - 1, 0.0, started)
+
+
+def least_of(pool: list[Least]) -> Graph:
+    """The least plan of the searches in `pool` (`pooled`), the first of which is the step as
+    given: the `LEAST_COMPILED` distinct plans the model puts least over all of them (and every
+    hand arrangement of a search whose step has less than `SMALL_STEP` of temp) compiled, on
+    TPU at the budget's size, and the least compiled returned (`_least`), or the step without a
+    plan where none lowers it."""
+    first = pool[0]
+    everything = _distinct(sorted(((p, c, f, least) for least in pool
+                                   for p, c, f in least.ranked), key=lambda s: s[2]))
+    chosen = everything[:LEAST_COMPILED]
+    for least in pool:
+        if least.report["no_remat_temp"] < SMALL_STEP:
+            chosen += [s for s in everything[LEAST_COMPILED:]
+                       if s[3] is least and s[0].label.startswith(HAND)]
+    modelled = {id(c): f for _, c, f, _ in chosen}
+    with validate.on_model(None), validate.at_budget(first.report["budget"]):
+        compiled = [(p, c, validate.xla_temp(c), least) for p, c, _, least in chosen]
+        unplanned = (validate.xla_temp(first.plain) if "finished_temp" in first.report
+                     else first.report["no_remat_temp"])
+    modelled[id(first.plain)] = first.report.get("finished_temp", first.report["no_remat_temp"])
+    best = min(compiled, key=lambda s: s[2], default=None)
+    least = first if best is None or best[2] >= unplanned else best[3]
+    report = least.report | {"confirmed": "compiled"}
+    if "finished_temp" in report:
+        report["finished_temp"] = unplanned
+    found = [(p, c, t) for p, c, t, s in compiled if s is least]
+    graph = _least_found(dataclasses.replace(least, report=report), found, modelled,
+                         unplanned)
+    return graph if not least.info else graph.replace(info={**graph.info, "remat": {
+        **graph.info["remat"], **least.info}})
+
+
+def _least_found(least: Least, smallest: list, modelled: dict | None,
+                 unplanned: int | None = None) -> Graph:
+    """`_least`'s plan among `smallest` (`(plan, graph, compiled figure)`), and its warning."""
+    plain, report, budget = least.plain, least.report, least.budget
     no_remat = report["no_remat_temp"]
-    unplanned = report.get("finished_temp", no_remat)  # `plain` as it runs (finished)
-    if validate.on_the_model():  # the model ranks the least plans; the two it puts least are
-        # compiled (on TPU at the budget's size), and the least of those is the plan
-        ranked = _distinct(sorted(smallest, key=lambda s: s[2]))
-        hands = [s for s in ranked[LEAST_COMPILED:] if s[0].label.startswith(HAND)]
-        ranked = ranked[:LEAST_COMPILED] + (hands if no_remat < SMALL_STEP else [])
-        modelled = {id(c): t for _, c, t in ranked}
-        modelled[id(plain)] = unplanned
-        with validate.on_model(None):
-            smallest = [(p, c, validate.xla_temp(c)) for p, c, _ in ranked]
-            if "finished_temp" in report:  # modelled too: the step as it runs, compiled
-                unplanned = validate.xla_temp(plain)
-                report = report | {"finished_temp": unplanned}
-        report = report | {"confirmed": "compiled"}
+    if unplanned is None:
+        unplanned = report.get("finished_temp", no_remat)  # `plain` as it runs (finished)
     plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, unplanned))
     if temp >= unplanned:
         plan, candidate, temp = None, plain, unplanned
-    if "confirmed" in report:
-        report["model_temp"] = modelled[id(candidate)]
+    if modelled is not None:
+        report["model_temp"] = modelled.get(id(candidate), temp)
     how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
     if temp > report["budget"]:  # (the model may have put a plan meeting it over it)
         warnings.warn(
@@ -505,8 +585,8 @@ def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
             f"remat: {no_remat} bytes)", BudgetWarning, stacklevel=4)
         report = report | {"unmet": True}
     return _reported(candidate, report, "no remat" if plan is None else
-                     plan.describe(), _peak(candidate), temp, len(tried) - 1,
-                     0.0 if plan is None else recompute_flops(candidate), started)
+                     plan.describe(), _peak(candidate), temp, len(least.tried) - 1,
+                     0.0 if plan is None else recompute_flops(candidate), least.started)
 
 
 def _distinct(ranked: list) -> list:
