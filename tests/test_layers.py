@@ -1,11 +1,12 @@
 """jgraph's modules stand in layers and import only downward (STYLE rule 11).
 
-`LAYERS` is the README's module map as data, bottom to top. Every `import` and `from ... import`
-of every module of `jgraph/` (top-level and function-local, read with `ast`, nothing imported)
-must name a module of a lower row; inside a package (`memory/`, `planner/`, `vjp_rules/`, ...)
-its modules may import each other, but never in a circle and never the package's own
-`__init__` (which sits above them and re-exports). A function-local import is allowed only for an
-optional or heavy third-party package, each listed in `LOCAL_IMPORTS` with its reason.
+`LAYERS` is the module map of docs/modules.md as data, bottom to top. Every `import` and
+`from ... import` of every module of `jgraph/` (top-level and function-local, read with `ast`,
+nothing imported) must name a module of a lower row; inside a package (`memory/`, `planner/`,
+`vjp_rules/`, ...) its modules may import each other, but never in a circle and never the
+package's own `__init__` (which sits above them and re-exports). A function-local import is
+allowed only for an optional or heavy third-party package, each listed in `LOCAL_IMPORTS` with
+its reason.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def layer_of(name: str) -> int:
                     best = (row, entry)
     if best is None:
         raise AssertionError(f"jgraph.{name} is in no row of LAYERS: add it to the table (and "
-                             f"to the README's module map)")
+                             f"to docs/modules.md's module map)")
     return best[0]
 
 

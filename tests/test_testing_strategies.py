@@ -3,15 +3,13 @@
 Drawn graphs are well formed, typed by JAX's x64 setting, and structured as `jg.trace` structures
 graphs; every op family is drawn, and so are regions (nested, with every policy), names, Python
 scalar literals, integer and boolean side computations, unused values, params at every argument
-position, aux outputs; shrinking gives small counterexamples; a user's own family is drawn; the
-README's example runs as written.
+position, aux outputs; shrinking gives small counterexamples; a user's own family is drawn.
+(The property-test guide's example, docs/guides/testing.md, runs in tests/test_docs.py.)
 """
 
 from __future__ import annotations
 
 import functools
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -174,15 +172,3 @@ def test_a_users_own_family_is_drawn_and_built_both_ways():
         assert "div" in {e.op for e in g.eqns}
     finally:
         del FAMILIES["softsign"]
-
-
-def test_readme_example_runs():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Property tests with jg.testing", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README
-    tests = [v for k, v in namespace.items() if k.startswith("test_")]
-    assert tests
-    for test in tests:
-        test()
