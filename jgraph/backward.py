@@ -216,10 +216,21 @@ def _computed_at(graph: Graph, atoms) -> str:
 def backward(graph: Graph, *, loop_policy=None) -> Graph:
     """The joint graph computing (loss[, aux]) and the gradients of the loss w.r.t. the params.
 
-    `loop_policy` (a remat policy, or a tuple of them, outermost first) is applied inside the
-    bodies of loops and conds, on top of their own checkpoint regions; `jg.remat(gb, policy=...)`
-    re-derives `gb` with it, so that a policy sees through loops. The result records its forward
-    graph as `info["backward_of"]`."""
+    Args:
+        graph: a forward graph from `jg.trace` with `param` inputs and a scalar `loss` output.
+        loop_policy: a remat policy, or a tuple of them (outermost first), applied inside the
+            bodies of loops and conds, on top of their own checkpoint regions. `jg.remat(gb,
+            policy=...)` re-derives `gb` with it, so that a policy sees through loops.
+
+    Returns:
+        The joint `Graph`: the forward eqns, then the backward eqns (tagged `backward`); its
+        outputs are the loss (and aux) and one `grad` per param. `jg.compile` of it equals
+        `jax.value_and_grad(fn, param_argnums, has_aux)`. It records its forward graph as
+        `info["backward_of"]`.
+
+    Raises:
+        TransformError: no params, a loss that is not a floating scalar, or an op without a VJP
+            rule (naming the op)."""
     validate(graph, "jg.backward")
     if "grad" in graph.output_roles:
         raise TransformError("backward: the graph already has grad outputs")

@@ -52,8 +52,19 @@ def validate(graph: Graph, what: str) -> Graph:
 
 
 def check(graph: Graph, *, shapes: bool = True) -> Graph:
-    """Raise `GraphError` if `graph` is malformed; return it unchanged otherwise. With
-    `shapes=False`, the structure only (no shape rules: what `validate` does by default)."""
+    """Raise `GraphError` if `graph` is malformed; return it unchanged otherwise.
+
+    Args:
+        graph: any graph.
+        shapes: also re-run every op's shape rule on its input avals. `shapes=False` checks the
+            structure only (each value defined once, before its use; roles; regions), which is
+            what the transforms' own validation does by default.
+
+    Returns:
+        `graph` itself, so that `jg.check(jg.backward(g))` chains.
+
+    Raises:
+        GraphError: naming the eqn that breaks an invariant of the IR."""
     check_fields(graph)
     _check_roles(graph)
     _check_regions(graph)

@@ -38,9 +38,21 @@ MAX_ENDS = 24  # inputs (outputs) drawn one by one in the collapsed view; more: 
 
 
 def to_dot(graph: Graph, *, collapse: bool | None = None, report=None, title: str = "") -> str:
-    """Graphviz DOT text of `graph`. `collapse`: draw runs of eqns as single nodes (default: when
-    the graph has more than 400 eqns); `report`: `jg.memory(graph)`, to mark fused values and
-    the peak; `title`: the drawing's label."""
+    """Graphviz DOT text of `graph`.
+
+    Eqns are labelled with op and avals, edges with the bytes they move (dotted where XLA fuses the
+    value); checkpoint regions and loop and cond bodies are clusters; backward eqns blue,
+    recompute orange, optimizer updates green. Render with `dot -Tsvg g.dot > g.svg`.
+
+    Args:
+        graph: any graph.
+        collapse: draw runs of eqns as single nodes (default None: when the graph has more than
+            400 eqns).
+        report: `jg.memory(graph)`, to mark fused values and the peak.
+        title: the drawing's label.
+
+    Returns:
+        The DOT source, a string."""
     validate(graph, "jg.to_dot")
     if report is not None and len(getattr(report, "materialised", ())) != len(graph.eqns):
         raise JGraphError("jg.to_dot(report=...): the report must be jg.memory of this graph")

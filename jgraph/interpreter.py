@@ -231,8 +231,19 @@ def unflatten_outputs(graph: Graph, flat):
 
 
 def evaluate(graph: Graph, *args):
-    """Run `graph` op by op without `jax.jit` (the reference interpreter). Loops run in Python,
-    one body eqn at a time (`jax.disable_jit` makes `lax.scan` and friends loop eagerly)."""
+    """Run `graph` op by op without `jax.jit` (the reference interpreter).
+
+    Loops run in Python, one body eqn at a time (`jax.disable_jit` makes `lax.scan` and friends
+    loop eagerly).
+
+    Args:
+        graph: any graph.
+        *args: the arguments of the traced function (pytrees as `fn` took them), followed by the
+            state the graph takes (accumulators, optimizer state, counter), if any.
+
+    Returns:
+        The graph's outputs, in the traced function's pytree structure: `(loss, grads)` for a
+        `jg.backward` graph."""
     validate(graph, "jg.evaluate")
     flat = flatten_args(graph, args)
     with jax.disable_jit():

@@ -69,6 +69,11 @@ TAGS = frozenset({"backward", "recompute", "no_cse"})
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Var:
+    """A variable: nothing but its abstract value; two are the same only if they are one object.
+
+    Attributes:
+        aval: the `ShapedArray`: shape, dtype and weak type of the value."""
+
     aval: ShapedArray  # shape, dtype and weak type of the value
 
     def __repr__(self):
@@ -77,6 +82,12 @@ class Var:
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Literal:
+    """A constant operand of an eqn (closed-over constants are literals too).
+
+    Attributes:
+        value: a numpy scalar or array of `aval`'s dtype.
+        aval: the abstract value of `value`."""
+
     value: Any  # a numpy scalar or array of `aval`'s dtype (closed-over constants are literals too)
     aval: ShapedArray  # abstract value of `value`
 
@@ -89,6 +100,17 @@ Atom = Union[Var, Literal]
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Eqn:
+    """One equation: `outputs = op[params] inputs`.
+
+    Attributes:
+        op: the op's name; its rules live in the tables of `jgraph.ops`, `jgraph.vjp_rules`, ...
+        inputs: the operands (`Var`s and `Literal`s).
+        params: the op's static parameters (the JAX primitive's params).
+        outputs: the results (`Var`s), each defined exactly once in a graph.
+        tags: `"backward"`, `"recompute"`, `"no_cse"`.
+        regions: the checkpoint regions holding this eqn, outermost first.
+        source: the user's source line that produced it (`"file:line (function)"`)."""
+
     op: str  # name of the op; its rules live in the tables of `jgraph.ops`, `jgraph.vjp_rules`, ...
     inputs: tuple[Atom, ...]  # operands
     params: Mapping[str, Any]  # static parameters of the op (the JAX primitive's params)
@@ -100,6 +122,17 @@ class Eqn:
 
 @dataclass(frozen=True)
 class Region:
+    """A checkpoint region recorded while tracing (`jax.checkpoint`, `jg.checkpoint`, a plan's).
+
+    Attributes:
+        id: unique within a graph; `Eqn.regions` refers to it.
+        parent: the enclosing region's id, or None.
+        policy: a `jgraph.policies` policy; None saves nothing but the region's inputs.
+        prevent_cse: as `jax.checkpoint(prevent_cse=...)`.
+        name: the checkpointed function's name, for printing and reports.
+        source: where the region was entered.
+        outputs_recomputed: the backward reads recomputed outputs, as JAX's does."""
+
     id: int  # unique within a graph; `Eqn.regions` refers to it
     parent: int | None  # enclosing region, or None
     policy: Callable | None  # a `jgraph.policies` policy; None saves nothing but the region inputs
@@ -111,6 +144,26 @@ class Region:
 
 @dataclass(frozen=True, eq=False)
 class Graph:
+    """A graph: inputs, eqns in schedule order, outputs; every input and output with a role.
+
+    `str(graph)` is its jaxpr-like text; `jg.check(graph)` its invariants. Graphs are immutable:
+    transforms return new ones (`graph.replace(**fields)`).
+
+    Attributes:
+        inputs: the flat inputs (`Var`s), in the order of the flattened call arguments.
+        eqns: the eqns, in schedule order.
+        outputs: the flat outputs (`Var`s or `Literal`s).
+        input_roles: one per input: `param`, `data`, `label`, `accumulator`, `opt_state`,
+            `loss_seed`, `counter`.
+        output_roles: one per output: `loss`, `aux`, `grad`, `metric`, or `new_` and an input
+            role (`new_param`, `new_opt_state`, ...).
+        in_tree: the treedef of the call's positional-argument tuple (None: a flat call).
+        out_tree: the treedef of the call's result (None: a tuple of flat outputs).
+        regions: the checkpoint regions recorded while tracing.
+        param_argnums: as given to `jg.trace`; shapes the grad outputs.
+        has_aux: the traced function returned `(loss, aux)`.
+        info: side data of transforms (`info["remat"]`, `info["fuse_updates"]`, ...)."""
+
     inputs: tuple[Var, ...]  # flat inputs, in the order of the flattened call arguments
     eqns: tuple[Eqn, ...]  # the schedule
     outputs: tuple[Atom, ...]  # flat outputs

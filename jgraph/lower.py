@@ -414,16 +414,22 @@ def compile(graph: Graph, *, in_shardings=None, out_shardings=None,  # noqa: A00
             donate_argnums=(), target=None):
     """`jax.jit` of the graph; arguments and results are pytrees as in the traced function.
 
-    `target=` (`jgraph.target`: a device, a Sharding, a Mesh or a platform name) places the
-    arguments there, as `in_shardings` would: on a mesh the data split along its data axis and
-    the state (params, optimizer state, accumulators) replicated. A topology's device (ahead of
-    time) compiles, through `.lower(...)`, without running.
+    Args:
+        graph: any graph (forward, joint, rematerialized, a training step).
+        in_shardings: passed to `jax.jit` as it is (a pytree prefix of the arguments, e.g.
+            `NamedSharding`s of a `jax.sharding.Mesh`); None leaves the choice to JAX.
+        out_shardings: passed to `jax.jit` as it is (a pytree prefix of the results).
+        donate_argnums: passed to `jax.jit` as it is.
+        target: `jgraph.target`: a device, a Sharding, a Mesh or a platform name. It places the
+            arguments there, as `in_shardings` would: on a mesh the data split along its data axis
+            and the state (params, optimizer state, accumulators) replicated. A topology's device
+            (ahead of time) compiles, through `.lower(...)`, without running.
 
-    `in_shardings`, `out_shardings` and `donate_argnums` are passed to `jax.jit` as they are
-    (shardings as pytree prefixes of the arguments and results, e.g. `NamedSharding`s of a
-    `jax.sharding.Mesh`); None leaves the choice to JAX, as when they are not given. Sharding
-    constraints met while tracing (`jax.lax.with_sharding_constraint`) are ops of the graph and
-    are lowered as such."""
+    Returns:
+        A `jax.jit`-wrapped callable with `fn`'s pytree signature (plus the state arguments, if
+        the graph has them). It composes: it runs inside the user's own `jax.jit`, `vmap`,
+        donated steps. Sharding constraints met while tracing
+        (`jax.lax.with_sharding_constraint`) are ops of the graph and are lowered as such."""
     validate(graph, "jg.compile")
     if target is not None:
         if in_shardings is not None:

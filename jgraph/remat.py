@@ -37,15 +37,43 @@ SMALL_CHUNK_ROWS = 256
 
 def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
           chunks: int | None = CHUNKS, target=None) -> Graph:
-    """Apply the graph's checkpoint regions; `policy=` puts the whole forward in one more region;
-    `budget=` (bytes of the figure that bounds the compiled donated step on `target`: its temp
-    on CPU, its peak on TPU and GPU (`jgraph.target`), or a percentage string such as "50%" of
-    no remat's) plans regions itself instead, every plan measured by `target`'s compiler (a
-    local device, a topology's device for ahead-of-time work, a Sharding or a Mesh; None: the
-    default backend's device), with `planner` "auto", "exact" or "fast" (`jgraph.planner`), a
-    step's updates fused where their gradients are made, and the loss head over `chunks`
-    chunks of rows as an option (`chunks=None`: never; the chunked head's sums differ from the
-    whole head's in their order, within 1e-6 normwise)."""
+    """Rematerialize a joint graph: its checkpoint regions, one policy, or a plan under a budget.
+
+    Args:
+        graph: a joint graph from `jg.backward` (or a training step built on one).
+        policy: a `jg.policies` / `jax.checkpoint_policies` policy: puts the whole forward in one
+            more region (inside loop bodies too). None: only the regions the graph recorded
+            (`jax.checkpoint`, `jg.checkpoint`) are applied.
+        budget: plans regions itself instead: bytes of the figure that bounds the compiled donated
+            step on `target` (its temp on CPU, its HBM need on TPU, its peak on GPU:
+            `jgraph.target`), or a percentage string such as `"50%"` of no remat's figure.
+        planner: `"auto"`, `"exact"` or `"fast"` (`jgraph.planner`): dynamic programming, then a
+            MILP for a cheaper plan (`"auto"`: up to 500 eqns, 10 s).
+        chunks: with a budget, the loss head (and attention and token-wise MLPs) over `chunks`
+            chunks of rows is an option the planner weighs (`jg.chunk_rows`); None: never. The
+            chunked head's sums differ from the whole head's in their order, within 1e-6
+            normwise.
+        target: the chip the plan is measured on: a local device, a topology's device for
+            ahead-of-time work, a Sharding or a Mesh, or a platform name; None: the default
+            backend's device.
+
+    Returns:
+        The rematerialized `Graph`: checkpoint regions whose policies say what the forward keeps,
+        and the recompute eqns they imply. With a budget, `info["remat"]` reports the plan:
+        `plan` (in words), `planner` and `used` (which planner found it), `budget` and
+        `budget_given`, `no_remat_temp`, `xla_temp` (the figure compiled for the plan),
+        `estimated_peak` and `model_temp` (the memory model's), `confirmed` (how the plan was
+        checked), `recompute_flops`, `recomputed_eqns`, `retries`, `planning_seconds`,
+        `xla_seconds`, `target` and `figure`; and where they apply `fused` and `chunked` (what
+        was fused or chunked), `milp` (the exact planner's outcome) and `unmet` (a percentage no
+        plan reached).
+
+    Raises:
+        TransformError: not a joint graph, both `policy` and `budget`, or a byte budget no plan
+            reaches (naming the smallest figure a plan reaches, and that plan).
+
+    Warns:
+        BudgetWarning: a percentage no plan reaches: the plan reaching the least is returned."""
     validate(graph, "jg.remat")
     if "grad" not in graph.output_roles and not any("backward" in e.tags for e in graph.eqns):
         raise TransformError("remat needs a joint forward + backward graph: apply jg.backward "

@@ -84,7 +84,15 @@ class _CustomVJPLowering(Interpreter):
 
 
 def to_jax(graph: Graph):
-    """A plain JAX function running `graph` whose gradients use jgraph's VJP rules."""
+    """A plain JAX function running `graph` whose gradients use jgraph's VJP rules.
+
+    Args:
+        graph: a forward graph (from `jg.trace`) or any other graph.
+
+    Returns:
+        A function with the traced function's pytree signature. `jax.grad`, `jax.vjp` and
+        `jax.jit` of it work as on any JAX function; each op carries its jgraph VJP rule (a
+        `custom_vjp` per op), so `jax.grad` of it computes what `jg.backward` does."""
     validate(graph, "jg.to_jax")
     lowering = _CustomVJPLowering(graph)
 

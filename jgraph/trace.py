@@ -68,7 +68,26 @@ def _check_leaves(example_args) -> None:
 
 
 def trace(fn, *example_args, param_argnums=None, has_aux=False) -> Graph:
-    """Trace `fn(*example_args)` into a forward graph."""
+    """Trace `fn(*example_args)` into a forward graph.
+
+    JAX traces `fn` on the example arguments' avals; each JAX primitive becomes an eqn (nested
+    `jit`, `custom_jvp`, `custom_vjp`, `checkpoint` and loops are rewritten: `jgraph.builder`).
+
+    Args:
+        fn: the loss function: returns a floating scalar (the loss), or `(loss, aux)` with
+            `has_aux`; any other output is `aux`.
+        *example_args: arrays or pytrees of arrays with the shapes and dtypes of a real call.
+        param_argnums: an int or a tuple of ints: the arguments whose leaves are parameters
+            (role `param`; the gradients are taken with respect to them); all others are `data`.
+            None: no parameters (a graph to evaluate, not to differentiate).
+        has_aux: `fn` returns a pair `(loss, aux)`.
+
+    Returns:
+        The forward `Graph`, its inputs and outputs with roles.
+
+    Raises:
+        TraceError: `fn` cannot be traced (Python control flow on a traced value, a side effect,
+            a closure over another transform's traced values), naming the user's source line."""
     graph, closed_over = trace_closure(fn, *example_args, param_argnums=param_argnums,
                                        has_aux=has_aux)
     if closed_over:

@@ -56,24 +56,34 @@ DERIVED = frozenset({"grad", "new_accumulator", "new_param"})
 
 def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
                attention: bool = True, loops: bool = True) -> Graph:
-    """`graph` (from `jg.backward`) with its loss head run over `chunks` chunks of rows, its
-    backward in the same loop; with `interior`, also each row-independent region inside the
-    network that ends in a projection (a token-wise MLP: `jgraph.chunk.interior`) and attention
-    over blocks of queries (`jgraph.chunk.blocks`, with `attention`), whose backward loops
-    recompute each chunk, in the graph and, with `loops`, inside its scans' bodies (a scanned
-    model's layer).
+    """`graph` with its loss head run over chunks of rows, its backward in the same loop.
 
     The rows are split along one row axis (one the chunks divide if any): `ceil(rows / chunks)`
     rows per chunk, and one smaller chunk for the rows left when the chunks do not divide them.
-    `info["chunk_rows"]` is `{"reason": None, "regions": [{...}, ...]}`, one entry per region
-    chunked (`kind` "head", "interior" or "blocks") naming its ops, `rows`, the split `axis`,
-    `chunks`, `chunk_rows`, `remainder`, its row inputs and constants (the head's entry also its
-    `eqns`, first and last position in the forward graph; a block region's `rows` are its end's
-    shape, `axis` its block axis there, `read_whole` the keys and values every block reads; a
-    region inside a scan's body has `in`: "scan body"); `head` says why the head was not chunked
-    when only interior regions were. When nothing was worth chunking it is `{"reason": why,
-    "regions": []}` and the graph's eqns are unchanged. A graph that is not a backward graph,
-    or chunks that are not a positive int, raise `TransformError`."""
+
+    Args:
+        graph: a joint graph from `jg.backward`.
+        chunks: how many chunks (a positive int).
+        interior: also chunk each row-independent region inside the network that ends in a
+            projection (a token-wise MLP: `jgraph.chunk.interior`), whose backward loop
+            recomputes each chunk.
+        attention: also run attention over blocks of queries (`jgraph.chunk.blocks`).
+        loops: also look inside scans' bodies (a scanned model's layer).
+
+    Returns:
+        The chunked `Graph`. `info["chunk_rows"]` is `{"reason": None, "regions": [{...}, ...]}`,
+        one entry per region chunked (`kind` "head", "interior" or "blocks") naming its ops,
+        `rows`, the split `axis`, `chunks`, `chunk_rows`, `remainder`, its row inputs and
+        constants (the head's entry also its `eqns`, first and last position in the forward graph;
+        a block region's `rows` are its end's shape, `axis` its block axis there, `read_whole` the
+        keys and values every block reads; a region inside a scan's body has `in`: "scan body");
+        `head` says why the head was not chunked when only interior regions were. When nothing
+        was worth chunking it is `{"reason": why, "regions": []}` and the graph's eqns are
+        unchanged.
+
+    Raises:
+        TransformError: a graph that is not a backward graph, or chunks that are not a positive
+            int."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise TransformError(f"chunk_rows: chunks must be an int >= 1, got {chunks!r}")
     if not isinstance(graph, Graph):

@@ -16,7 +16,19 @@ from jgraph.dropin.transform import ValueAndGrad
 
 
 def filter_value_and_grad(fun=None, *, has_aux=False, policy=None, budget=None, target=None):
-    """`(value, grads)` of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of `x`."""
+    """`(value, grads)` of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of `x`.
+
+    Equinox's filter semantics: every other leaf of `x` (functions, ints, strings) gets None.
+
+    Args:
+        fun: the function; None returns a decorator.
+        has_aux: `fun` returns `(value, aux)`.
+        policy: passed to `jg.remat`, as `value_and_grad`'s.
+        budget: passed to `jg.remat`, as `value_and_grad`'s.
+        target: passed to `jg.remat`, as `value_and_grad`'s.
+
+    Returns:
+        A callable returning `(value, grads)`, or `((value, aux), grads)`."""
     if fun is None:
         return functools.partial(filter_value_and_grad, has_aux=has_aux, policy=policy,
                                  budget=budget, target=target)
@@ -25,8 +37,17 @@ def filter_value_and_grad(fun=None, *, has_aux=False, policy=None, budget=None, 
 
 
 def filter_grad(fun=None, *, has_aux=False, policy=None, budget=None, target=None):
-    """`grads` (or `(grads, aux)`) of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of
-    `x`."""
+    """`grads` (or `(grads, aux)`) of `fun(x, *args, **kwargs)` w.r.t. the floating arrays of `x`.
+
+    Args:
+        fun: the function; None returns a decorator.
+        has_aux: `fun` returns `(value, aux)`.
+        policy: passed to `jg.remat`, as `value_and_grad`'s.
+        budget: passed to `jg.remat`, as `value_and_grad`'s.
+        target: passed to `jg.remat`, as `value_and_grad`'s.
+
+    Returns:
+        A callable returning `grads`, or `(grads, aux)` with `has_aux`."""
     if fun is None:
         return functools.partial(filter_grad, has_aux=has_aux, policy=policy, budget=budget,
                                  target=target)

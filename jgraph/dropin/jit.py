@@ -523,9 +523,25 @@ def _output_roles(graph: Graph, roles, parts: _Parts, outputs, donated, nodes: i
 
 
 def jit(fun=None, *, budget=None, target=None, **jit_kwargs):
-    """`jax.jit` of a training step, with the step traced whole into a jgraph graph and, with
-    `budget=` (bytes, or a percentage of the unplanned step's figure on `target`), planned whole
-    (module docstring). Usable as `@jg.jit(budget="50%")` too."""
+    """`jax.jit` of a training step, with the step traced whole into one jgraph graph.
+
+    Each `jg.value_and_grad` / `jg.grad` call in the step is spliced into the step's graph with
+    its forward and backward, so the optimizer update and metrics after it are the graph's tail;
+    a result in a donated argument's structure is that argument's new value. Without a budget
+    the step is bitwise `jax.jit` of the step written with `jax.value_and_grad` (module
+    docstring).
+
+    Args:
+        fun: the step; None returns a decorator (`@jg.jit(budget="50%")`).
+        budget: plan the whole step: bytes, or a percentage of the unplanned step's figure on
+            `target` (as `jg.remat`'s).
+        target: the chip the budget is planned for (`jgraph.target`).
+        **jit_kwargs: passed to `jax.jit`: `donate_argnums`, `static_argnums`, `in_shardings`,
+            `out_shardings`, ...
+
+    Returns:
+        A `Jit` callable, as `jax.jit`'s; `.graph(*args)`, `.info(*args)` (the plan, the roles of
+        the inputs) and `.lower(*args)` for the step traced at these arguments."""
     if fun is None:
         return lambda f: Jit(f, budget=budget, target=target, **jit_kwargs)
     return Jit(fun, budget=budget, target=target, **jit_kwargs)

@@ -146,8 +146,18 @@ def _trace(fun, call: arguments.Call, has_aux: bool) -> _Pullback:
 
 
 def vjp(fun, *primals, has_aux=False, reduce_axes=()):
-    """`jax.vjp`: `(out, vjp_fn)`, or `(out, vjp_fn, aux)` with `has_aux`; `vjp_fn(ct)` returns
-    one cotangent per primal (a tuple), float0 zeros for integer leaves, as JAX's."""
+    """`jax.vjp`, computed by jgraph's backward graph.
+
+    Args:
+        fun: the function.
+        *primals: its arguments.
+        has_aux: `fun` returns `(out, aux)`.
+        reduce_axes: as JAX's.
+
+    Returns:
+        `(out, vjp_fn)`, or `(out, vjp_fn, aux)` with `has_aux`; `vjp_fn(ct)` returns one
+        cotangent per primal (a tuple), float0 zeros for integer leaves, as JAX's. `vjp_fn` is a
+        pytree of residuals, as JAX's."""
     arguments.check_callable(fun, NAME)
     if reduce_axes:
         raise UnsupportedOptionError(f"{NAME}: reduce_axes is not supported (JAX deprecated it "

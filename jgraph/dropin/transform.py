@@ -250,9 +250,24 @@ def value_and_grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=F
                    reduce_axes=(), *, policy=None, budget=None, target=None) -> ValueAndGrad:
     """`jax.value_and_grad`, computed by jgraph's backward graph (see the module docstring).
 
-    `policy=` (a `jg.policies` / `jax.checkpoint_policies` policy), `budget=` (bytes, or a
-    percentage) and `target=` (the chip the budget is planned for, `jgraph.target`) are passed
-    to `jg.remat`; `jax.checkpoint` regions in `fun` are rematerialized in any case."""
+    Same arguments, results and errors as JAX's; usable wherever JAX's is (eager, inside the
+    user's `jax.jit`, `vmap`, `lax.scan`, `shard_map`, under `jax.grad`). `jax.checkpoint` regions
+    in `fun` are rematerialized in any case.
+
+    Args:
+        fun: the function to differentiate.
+        argnums: an int or a tuple of ints: the arguments differentiated.
+        has_aux: `fun` returns `(value, aux)`.
+        holomorphic: not supported (an error, as named).
+        allow_int: as JAX's: integer inputs get float0 gradients.
+        reduce_axes: not supported (JAX deprecated it): only `()`.
+        policy: a `jg.policies` / `jax.checkpoint_policies` policy, passed to `jg.remat`.
+        budget: bytes, or a percentage, passed to `jg.remat`.
+        target: the chip the budget is planned for (`jgraph.target`), passed to `jg.remat`.
+
+    Returns:
+        A `ValueAndGrad` callable: `(value, grads)`, or `((value, aux), grads)`;
+        `.graph(*args)` is the joint graph a call with these arguments runs."""
     _check_options("jg.value_and_grad", holomorphic, reduce_axes)
     return ValueAndGrad(fun, argnums, has_aux, allow_int=allow_int, policy=policy,
                         budget=budget, target=target)
@@ -260,8 +275,21 @@ def value_and_grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=F
 
 def grad(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, reduce_axes=(), *,
          policy=None, budget=None, target=None) -> ValueAndGrad:
-    """`jax.grad`, computed by jgraph's backward graph: `grads`, or `(grads, aux)` with
-    `has_aux`. Options as `value_and_grad`'s."""
+    """`jax.grad`, computed by jgraph's backward graph.
+
+    Args:
+        fun: the function to differentiate.
+        argnums: an int or a tuple of ints: the arguments differentiated.
+        has_aux: `fun` returns `(value, aux)`.
+        holomorphic: not supported.
+        allow_int: as JAX's.
+        reduce_axes: as JAX's.
+        policy: passed to `jg.remat`, as `value_and_grad`'s.
+        budget: passed to `jg.remat`, as `value_and_grad`'s.
+        target: passed to `jg.remat`, as `value_and_grad`'s.
+
+    Returns:
+        A callable returning `grads`, or `(grads, aux)` with `has_aux`."""
     _check_options("jg.grad", holomorphic, reduce_axes)
     return ValueAndGrad(fun, argnums, has_aux, allow_int=allow_int, policy=policy,
                         budget=budget, value=False, name="jg.grad", target=target)

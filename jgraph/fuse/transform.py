@@ -489,10 +489,23 @@ def _report(graph: Graph, status: dict) -> dict:
 
 
 def fuse_updates(graph: Graph, *, keep_grads: bool = True) -> Graph:
-    """`graph` (a step with an optimizer update or an accumulation) with each update where its
-    gradient is made: in the backward scan's body for a gradient stacked over its iterations,
-    right after the gradient otherwise. `keep_grads=False` also leaves out the `grad` outputs.
-    `info["fuse_updates"]` reports, per param, where its update went or what prevented it."""
+    """`graph` with each optimizer update where its gradient is made.
+
+    A gradient stacked over a backward scan's iterations has its update moved into the scan's
+    body (when the update acts on each slice: elementwise ops, per-slice reductions, shared
+    scalars); any other update goes right after its gradient. Bitwise the unfused step under
+    `jg.evaluate`.
+
+    Args:
+        graph: a training step with an optimizer update (`jg.optimizer_step`) or an accumulation
+            (`jg.accumulate`).
+        keep_grads: keep the `grad` outputs; `False` leaves them out, so a stacked gradient is
+            never made.
+
+    Returns:
+        The fused `Graph`. `info["fuse_updates"]` reports, per param, whether its update was
+        `fused`, `where` (`"scan"`, or after its gradient), and the `reason` (the eqn) that
+        prevented it."""
     validate(graph, "jg.fuse_updates")
     if not isinstance(keep_grads, bool):
         raise TransformError(f"jg.fuse_updates: keep_grads must be a bool, got {keep_grads!r}")

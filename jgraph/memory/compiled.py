@@ -121,10 +121,22 @@ def donated_step(graph: Graph, learning_rate: float = 1e-3):
 
 
 def compiled_memory(graph: Graph, *args, target=None, exact: bool = True) -> CompiledMemory:
-    """XLA's memory figures for the compiled donated training step of `graph`, compiled for
-    `target` (module docstring) on the avals of `args` (arrays or `jax.ShapeDtypeStruct`s; none:
-    the graph's own input avals). On TPU `exact=False` estimates the HBM need from one compile
-    (never under it) instead of finding it exactly."""
+    """XLA's memory figures for the compiled donated training step of `graph`.
+
+    Args:
+        graph: a joint graph, a plan of one, or a training step.
+        *args: arrays or `jax.ShapeDtypeStruct`s of the traced function's arguments; none: the
+            graph's own input avals (nothing needs to be allocated).
+        target: `jgraph.target`: the device, Sharding, Mesh or platform the step is compiled for
+            (None: the default backend's device).
+        exact: on TPU, find the HBM need exactly (2-4 compiles); `exact=False` estimates it from
+            one compile (never under it).
+
+    Returns:
+        A `CompiledMemory`: `temp_bytes`, `peak_bytes`, `hbm_bytes` (TPU), `figure` (which one a
+        budget bounds there) and `budget_bytes` (its value), and `materialised` / `fused` (which
+        eqns' values XLA wrote to buffers). Figures are cached by program, options, target and
+        versions (on disk in `JGRAPH_FIGURE_CACHE` when it is set)."""
     validate(graph, "jg.compiled_memory")
     if args:
         flatten_args(graph, args)  # the arguments must match the traced signature

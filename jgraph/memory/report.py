@@ -100,11 +100,23 @@ def peak_bytes(graph: Graph) -> int:
 
 def memory(graph: Graph, *, target=None, unplanned: Graph | None = None) -> MemoryReport:
     """The memory report of `graph`: XLA:CPU's temp bytes for its donated step, simulated.
-    With `target=` (`jgraph.target`; CPU or TPU), `peak_bytes` is the model's prediction of the
-    target's fit figure (`jg.compiled_memory(graph, target=...).budget_bytes`), calibrated by
-    one compile of the graph it is a plan of (`unplanned`: by default the one `jg.remat`
-    recorded, else the graph itself; `jgraph.memory.model`). The schedule, timeline and
-    residuals are the simulator's either way."""
+
+    Nothing is compiled (without `target=`): the simulator replays XLA:CPU's fusion, schedule and
+    buffer assignment on the graph (`jgraph.memory`).
+
+    Args:
+        graph: a joint graph, a plan of one, or a training step.
+        target: `jgraph.target` (CPU or TPU): `peak_bytes` is then the model's prediction of the
+            target's fit figure (`jg.compiled_memory(graph, target=...).budget_bytes`),
+            calibrated by one compile of the graph it is a plan of.
+        unplanned: the graph that calibration compiles: by default the one `jg.remat` recorded,
+            else `graph` itself (`jgraph.memory.model`).
+
+    Returns:
+        A `MemoryReport`: `peak_bytes`, `peak_eqn`, `timeline` and `step_roles` along XLA's
+        schedule, `materialised` per eqn, `breakdown` of the peak, `residuals`, `model`;
+        `.plot(path, *others)` draws it. The schedule, timeline and residuals are the
+        simulator's either way."""
     validate(graph, "jg.memory")
     predicted = model = None
     if target is not None:

@@ -53,7 +53,19 @@ def _next_counter(counter, *, period):
 
 
 def accumulate(graph: Graph, period: int, loss: str = "mean") -> Graph:
-    """The micro-step graph of gradient accumulation over `period` micro-batches."""
+    """The micro-step graph of gradient accumulation over `period` micro-batches.
+
+    Args:
+        graph: a joint graph from `jg.backward` (possibly rematerialized).
+        period: micro-batches per optimizer step (a positive int).
+        loss: `"mean"`, `"sum"`, `"mse"` or `"cross_entropy"`: per-datapoint losses (all but
+            `"sum"`) are scaled by `1 / period`, so the accumulated gradient is the gradient of the
+            whole logical batch (ggml-opt's loss scale).
+
+    Returns:
+        A `Graph` taking one `accumulator` input per grad and a `counter` input, returning
+        `(value, new_accumulators, new_counter)`: `new_acc = (0 if counter == 0 else acc) +
+        grad`, `new_counter = (counter + 1) % period`."""
     validate(graph, "jg.accumulate")
     if not isinstance(period, (int, np.integer)) or period < 1:
         raise TransformError(f"accumulate: period must be a positive int, got {period!r}")

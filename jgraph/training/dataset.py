@@ -39,7 +39,16 @@ def check_class_ids(labels, nclasses: int, what: str) -> None:
 
 
 class Dataset:
-    """Data (and labels) on the host, served in batches of whole shards."""
+    """Data (and labels) on the host, served in batches of whole shards.
+
+    Args:
+        data: an array (or pytree of arrays) with the datapoints on axis 0.
+        labels: the labels, datapoints on axis 0 (None: no labels).
+        shard_size: consecutive datapoints per shard; a remainder that does not fill a shard is
+            never served.
+        mesh: a `jax.sharding.Mesh` the batches are placed on (None: numpy batches on the host).
+        data_axis: the mesh axis the batch is split along.
+        classes: the number of classes: labels are class ids, checked to lie in `[0, classes)`."""
 
     def __init__(self, data, labels=None, shard_size: int = 1, mesh=None,
                  data_axis: str = "data", classes: int | None = None):

@@ -59,12 +59,23 @@ from jgraph.training.train_state import TrainState
 def epoch(opt: Optimizer, state: TrainState, dataset: Dataset, result_train: Result | None,
           result_eval: Result | None, idata_split: int = -1, callback=None,
           batch_size: int | None = None, start: int = 0) -> TrainState:
-    """One pass over `dataset`: train before `idata_split` (< 0: all), evaluate after it.
+    """One pass over `dataset`: train before `idata_split`, evaluate after it.
 
-    `callback(train, state, result, ibatch, ibatch_max)` runs after every batch (`ibatch` counts
-    from 1 within the section). `batch_size` defaults to the optimizer's example batch size.
-    `start` skips the first training batches (a resumed epoch).
-    """
+    Args:
+        opt: the `Optimizer` (after `init`).
+        state: its state.
+        dataset: a `Dataset`.
+        result_train: a `Result` the training steps' outputs are added to (or None).
+        result_eval: a `Result` the evaluations' outputs are added to (or None).
+        idata_split: the datapoint where training ends and evaluation starts (< 0: train on
+            all).
+        callback: `callback(train, state, result, ibatch, ibatch_max)`, run after every batch
+            (`ibatch` counts from 1 within the section).
+        batch_size: the batch size (default: the optimizer's example batch size).
+        start: skip the first training batches (a resumed epoch).
+
+    Returns:
+        The new state."""
     bs = opt.batch_size if batch_size is None else positive_int(batch_size, "epoch: batch_size")
     idata_split = integer(idata_split, "epoch: idata_split")
     nbatches = dataset.ndata // bs
@@ -376,20 +387,46 @@ def fit(fn, params, dataset: Dataset, loss: str = "mean", tx=None, epochs: int =
         key=None, callback=None, on_nonfinite: str = "raise", checkpoint_every=None,
         checkpoint_path=None, mesh=None, data_axis: str = "data", param_sharding=None,
         strict: bool = True):
-    """Train `fn`'s params on `dataset`; return `(params, History)` (ggml_opt_fit).
+    """Train `fn`'s params on `dataset` (ggml_opt_fit).
 
-    `batch_size` is the logical batch (default: all data), `physical_batch_size` the micro-batch
-    (default: the logical one); their ratio is the accumulation period. `tx` defaults to ggml's
-    AdamW (1e-3, 0.9, 0.999, 1e-8, no weight decay). `callback(epoch, history)` runs after each
-    epoch. `on_nonfinite`: "raise" (stop with `NonFiniteError`, keeping the last finite state),
-    "skip" (drop non-finite updates, as `optax.apply_if_finite`), "ignore". `checkpoint_path`:
-    where the state is written when the run ends or stops, and every `checkpoint_every`
-    optimizer steps (or "epoch"); an existing one is resumed. `mesh`, `data_axis`,
-    `param_sharding`: train on a `jax.sharding.Mesh` (default: the dataset's mesh, if any), as
-    `Optimizer` does. `strict`: resume only a checkpoint written by the same setup (its
-    fingerprint: model, optimizer, loss, period, batch shapes); `strict=False` resumes another
-    one whose state has the same shapes (a deliberate transfer). See the module docstring.
-    """
+    Ctrl-C stops it at the next step boundary (a second one aborts at once), writes
+    `checkpoint_path` and re-raises `KeyboardInterrupt` with `.state`, `.params` and `.history`;
+    running the same `fit` again resumes from the file. See the module docstring.
+
+    Args:
+        fn: the model: `fn(params, inputs)`, its output reduced or compared with labels by `loss`.
+        params: the initial params (a pytree of arrays).
+        dataset: a `Dataset` (with labels for `"cross_entropy"` / `"mse"`).
+        loss: `"mean"`, `"sum"`, `"cross_entropy"` or `"mse"` (as `Optimizer`'s).
+        tx: an optax transformation; default ggml's AdamW (1e-3, 0.9, 0.999, 1e-8, no weight
+            decay).
+        epochs: passes over the data.
+        batch_size: the logical batch (default: all data).
+        physical_batch_size: the micro-batch (default: the logical one); their ratio is the
+            accumulation period.
+        val_split: the share of the data held out for evaluation after each epoch.
+        progress: show a progress bar.
+        remat: as `Optimizer`'s (`{"budget": ...}`, a policy, ...).
+        static: as `Optimizer`'s.
+        key: the `jax.random` key that shuffles the data (default: `jax.random.PRNGKey(0)`).
+        callback: `callback(epoch, history)`, run after each epoch.
+        on_nonfinite: `"raise"` (stop with `NonFiniteError`, keeping the last finite state),
+            `"skip"` (drop non-finite updates, as `optax.apply_if_finite`), `"ignore"`.
+        checkpoint_every: write the state every N optimizer steps (or `"epoch"`).
+        checkpoint_path: where the state is written when the run ends or stops; an existing one
+            is resumed.
+        mesh: train on a `jax.sharding.Mesh` (default: the dataset's mesh, if any), as
+            `Optimizer` does.
+        data_axis: the mesh axis the batch is split along.
+        param_sharding: FSDP-style sharding of params and state, as `Optimizer`'s.
+        strict: resume only a checkpoint written by the same setup (its fingerprint: model,
+            optimizer, loss, period, batch shapes); `False` resumes another one whose state has
+            the same shapes (a deliberate transfer).
+
+    Returns:
+        `(params, history)`: the trained params and a `History` (per-epoch `train_loss`,
+        `val_loss`, `train_accuracy`, `val_accuracy` with their uncertainties, `seconds`,
+        `skipped`, and the end `state`)."""
     if not isinstance(dataset, Dataset):
         raise ArgumentError(f"fit: dataset must be a jg.Dataset, got {type(dataset).__name__}")
     epochs = positive_int(epochs, "fit: epochs")

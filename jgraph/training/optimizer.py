@@ -128,7 +128,32 @@ def _with_keys(fn):
 
 
 class Optimizer(StateFiles, WholePeriods):
-    """Training context: `init`, `step`, `step_period`, `evaluate`, `reset`, `save`/`load`."""
+    """Training context (ggml_opt_context): `init`, `step`, `step_period`, `evaluate`, `reset`,
+    `save`/`load`.
+
+    It builds and compiles the graphs (`forward`, `grad`, `opt`, `reset`: `opt.graphs`) and carries
+    the state between steps as an explicit `TrainState` (`params`, `opt_state`, `grad_acc`,
+    `counter`); `step` returns a new state and donates the old one's buffers (module docstring).
+
+    Args:
+        fn: the model, `fn(params, inputs)`: with `loss` `"sum"` / `"mean"` it returns what is
+            reduced (or a scalar); with `"cross_entropy"` / `"mse"` it returns predictions
+            (logits) compared with the labels.
+        tx: an optax `GradientTransformation`, applied at the end of each period.
+        loss: `"mean"`, `"sum"`, `"cross_entropy"` or `"mse"`.
+        period: micro-steps per optimizer step (gradient accumulation).
+        static: build and compile every graph once, for the example shapes, donating the state
+            (ggml's static mode); `False` rebuilds per input shape and donates nothing.
+        remat: None; True (the graph's own regions); a policy; or the keyword arguments of
+            `jg.remat` as a dict (`{"budget": "50%", "target": ...}`: the micro-step that runs
+            is planned, accumulation included).
+        on_nonfinite: `"ignore"` (as optax), `"raise"` (`NonFiniteError`, the state as it was
+            before the step) or `"skip"` (drop non-finite updates, as `optax.apply_if_finite`).
+        mesh: a `jax.sharding.Mesh`: the batch is split along `data_axis`, params and state
+            replicated (or sharded by `param_sharding`).
+        data_axis: the mesh axis the batch is split along.
+        param_sharding: a pytree of `PartitionSpec`s, or a function `leaf -> PartitionSpec`
+            (FSDP-style)."""
 
     def __init__(self, fn, tx, loss: str = "mean", period: int = 1, static: bool = True,
                  remat=None, on_nonfinite: str = "ignore", mesh=None, data_axis: str = "data",

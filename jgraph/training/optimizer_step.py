@@ -46,7 +46,15 @@ def _update(*flat, tx, tree, state_tree):
 
 
 def optimizer_step(graph: Graph, tx: optax.GradientTransformation) -> Graph:
-    """Append the optimizer update to `graph`: new params and optimizer state become outputs."""
+    """Append the optimizer update to `graph`: new params and optimizer state become outputs.
+
+    Args:
+        graph: a joint graph (`jg.backward`) or an accumulation micro-step (`jg.accumulate`: the
+            update then applies on the period's last micro-step).
+        tx: an optax `GradientTransformation`; its update is traced into IR eqns.
+
+    Returns:
+        A `Graph` with `opt_state` inputs and `new_param` / `new_opt_state` outputs."""
     validate(graph, "jg.optimizer_step")
     if "opt_state" in graph.input_roles:
         raise TransformError("optimizer_step: the graph already has an optimizer step")

@@ -48,8 +48,15 @@ def _init(*params, tx, tree):
 def reset(graph: Graph, tx=None) -> Graph:
     """The graph `params -> {state part: reset value}` for the state inputs of `graph`.
 
-    The optimizer state is `tx.init(params)`, for the optax transformation `tx` given, or else
-    the one `optimizer_step` recorded on the graph (DESIGN §6 keeps `jg.reset(go)` working)."""
+    Args:
+        graph: a training-step graph with state inputs (`jg.accumulate`, `jg.optimizer_step`).
+        tx: the optax transformation whose `tx.init(params)` is the reset optimizer state; None:
+            the one `optimizer_step` recorded on the graph (DESIGN §6 keeps `jg.reset(go)`
+            working).
+
+    Returns:
+        A `Graph` from the params to the reset accumulators (zeros), counter (0) and optimizer
+        state."""
     validate(graph, "jg.reset")
     tree = grads_tree(graph)
     params = tuple(Var(p.aval) for p in grad_params(graph))
@@ -143,7 +150,13 @@ class _FirstMicroStep(Interpreter):
 
 
 def first_micro_step(graph: Graph) -> Graph:
-    """`graph` specialised to counter 0: the first micro-step of a period reads no accumulator."""
+    """`graph` specialised to counter 0: the first micro-step of a period reads no accumulator.
+
+    Args:
+        graph: an accumulation micro-step (`jg.accumulate`, possibly with `jg.optimizer_step`).
+
+    Returns:
+        The `Graph` with the counter fixed at 0 and the accumulators' reads removed."""
     validate(graph, "jg.first_micro_step")
     counters = graph.inputs_with_role("counter")
     if len(counters) != 1 or "accumulator" not in graph.input_roles:

@@ -21,7 +21,8 @@ from jgraph.errors import JGraphError
 
 
 class Result:
-    """Statistics of a sequence of `step`/`evaluate` outputs."""
+    """Statistics of a sequence of `step`/`evaluate` outputs: `add` each, then read `loss()` and
+    `accuracy()`, each a `(value, uncertainty)` pair, `ndata` and `pred()`."""
 
     def __init__(self):
         self.reset()
