@@ -1,6 +1,7 @@
 """jg.memory (estimate on the schedule, saved residuals with provenance) and jg.compiled_memory
 (XLA's figures of the donated step), including the remat memory bars of the issue."""
 
+import gc
 import inspect
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 import jgraph as jg
 from benchmarks.bench_remat import block_args, blocks, chain, chain_args, jax_step
 from jgraph.memory import donated_step
+from jgraph.memory import estimate as estimate_module
 
 F32 = jnp.float32
 MIB = 2**20
@@ -214,3 +216,24 @@ def test_residual_mlp16_per_block_bar():
     ours = jg.compiled_memory(jg.remat(joint(blocks(True), *args)), *args)
     assert base.temp_bytes / MIB == pytest.approx(46.5, abs=1.0)
     assert ours.temp_bytes / MIB <= 16.5 and ours.dots == base.dots + 16
+
+
+
+def test_the_estimate_leaves_the_collector_on_and_a_programs_freeze_alone(monkeypatch):
+    """A large estimate sets the heap aside (`gc.freeze`) rather than turning the collector off
+    for every thread: while it runs the collector is on; after it nothing is left frozen; a
+    program's own freeze (a pre-fork server's) is kept."""
+    g = joint(chain(), *chain_args(layers=4, width=8, batch=4))
+    during = []
+    run = estimate_module._run
+    monkeypatch.setattr(estimate_module, "_run",
+                        lambda program: during.append(gc.isenabled()) or run(program))
+    jg.memory(g)
+    assert during == [True] and gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        jg.memory(g)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
