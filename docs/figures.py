@@ -3,8 +3,8 @@
     python docs/figures.py            # writes docs/figures/*.png (mkdocs build runs it when absent)
 
 - `memory-timeline.png`: `jg.memory(...).plot` of `benchmarks.bench_remat`'s 32-layer tanh chain
-  (DESIGN §5's reference shape): no remat, a `jax.checkpoint` per 6 layers (sqrt(32)), and `jg.remat(budget=
-  "50%")`'s plan, each with XLA's compiled temp as a line.
+  (DESIGN §5's reference shape): no remat, a `jax.checkpoint` per 6 layers (sqrt(32)), and
+  `jg.remat(budget="50%")`'s plan, each with XLA's compiled temp as a line.
 - `frontier.png`: `benchmarks.bench_planner`'s recompute/memory frontier of the same chain (its
   `frontier` and `jax_arrangements`: fast plans at budgets from the least to no remat, JAX's
   hand-written arrangements as points), as `python -m benchmarks.bench_planner --plot` draws it
