@@ -234,6 +234,7 @@ def test_the_estimate_leaves_the_collector_on_and_a_programs_freeze_alone(monkey
     try:
         frozen = gc.get_freeze_count()
         jg.memory(g)
-        assert gc.get_freeze_count() == frozen
+        # kept (an unfreeze empties it), nothing added; frozen objects may die meanwhile
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
