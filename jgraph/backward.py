@@ -24,7 +24,8 @@ from jgraph import _jax_internals as internals
 from jgraph.builder import Builder
 from jgraph.check import validate
 from jgraph.errors import TransformError
-from jgraph.ir import Eqn, Graph, Literal, Var, is_float, short_aval, sub_graphs, while_processing
+from jgraph.ir import Eqn, Graph, Literal, Var, is_float, short_aval, sub_graphs
+from jgraph.naming import while_processing
 from jgraph.ops import CUTS_GRADIENT, EFFECTFUL, NON_DIFFERENTIABLE
 from jgraph.passes import dce
 from jgraph.policies import saves

@@ -29,8 +29,8 @@ from jgraph.ir import (
     eqn_lines,
     is_extended,
     short_aval,
-    var_name,
 )
+from jgraph.naming import var_name
 
 
 def _same_aval(a, b) -> bool:

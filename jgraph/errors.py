@@ -1,7 +1,7 @@
 """Every error jgraph raises is a `JGraphError`; subclasses say which stage found the problem.
 
-The bottom layer: it imports nothing of jgraph. (`jgraph.ir.while_processing` names the eqn being
-processed in any error escaping a rule or a lowering.)
+The bottom layer: it imports nothing of jgraph. (`jgraph.naming.while_processing` names the eqn
+being processed in any error escaping a rule or a lowering.)
 """
 
 

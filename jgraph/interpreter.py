@@ -16,7 +16,8 @@ from jgraph.check import validate
 from jgraph.control_flow import HIGHER_ORDER
 from jgraph.custom_lowering import expanded_custom_eqns
 from jgraph.errors import GraphError, JGraphError
-from jgraph.ir import Graph, Literal, Var, short_aval, while_processing
+from jgraph.ir import Graph, Literal, Var, short_aval
+from jgraph.naming import while_processing
 
 
 def last_uses(graph: Graph) -> dict[Var, int]:

@@ -11,9 +11,8 @@ is the schedule: memory estimates and lowering follow it. Every input and output
 convention.
 
 Beside the types, what every layer above reads of them: the field checks (`check_fields`: every
-field has the IR's type, so a hand-built graph gets a `GraphError` naming the field), the text
-form (`str(graph)`, below) and `while_processing`, which names the eqn being processed in any
-error escaping a rule or a lowering.
+field has the IR's type, so a hand-built graph gets a `GraphError` naming the field) and the text
+form (`str(graph)`, below); `jgraph.naming` names an eqn in errors with it.
 
 The text form is jaxpr-like. Printing is API: tests compare it to golden strings.
 
@@ -30,16 +29,10 @@ or reshape's shape), defaults (None, `weak_type=False`, unit dilations, zero win
 empty dimension-number fields; some ops print theirs compactly (`PARAM_VIEWS`, which `jgraph.ops`
 fills: `dot_general`'s dimensions as `lhs x rhs`, a convolution's layouts as `N01C,01IO->N01C`).
 Tags and regions follow an eqn as a comment; the regions of the graph are listed after it.
-
-`while_processing` (as torch.fx's interpreter says "While executing ..."): a jgraph error gets a
-note quoting the eqn as `str(graph)` prints it and the user's source line; any other exception
-becomes a `TransformError` (or `JGraphError` outside transforms) saying the same, so no raw error
-escapes from internals.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import itertools
@@ -52,7 +45,7 @@ import jax
 import numpy as np
 from jax.core import ShapedArray
 
-from jgraph.errors import GraphError, JGraphError, TransformError
+from jgraph.errors import GraphError
 
 # Roles of graph inputs.
 INPUT_ROLES = frozenset(
@@ -386,16 +379,16 @@ def _names():
                 yield name
 
 
-class _Namer:
+class Namer:
     def __init__(self, fresh=None):
         self.names: dict[int, str] = {}
         self.fresh = fresh if fresh is not None else _names()
 
-    def nested(self) -> _Namer:
+    def nested(self) -> Namer:
         """A namer for a sub-graph: closed, it names only its own variables, so it starts empty
         and draws on the same letters. A sub-graph object shared by two eqns (JAX traces a
         `while_loop`'s cond once) prints with fresh names each time, like a copy of it."""
-        return _Namer(self.fresh)
+        return Namer(self.fresh)
 
     def __call__(self, v: Var) -> str:
         if id(v) not in self.names:
@@ -465,12 +458,12 @@ def format_params(eqn, nested: bool = False) -> str:
     return f"[{' '.join(shown)}]" if shown else ""
 
 
-def eqn_lines(graph: Graph, name: _Namer | None = None, nested: bool = False,
+def eqn_lines(graph: Graph, name: Namer | None = None, nested: bool = False,
               roles: bool = True) -> tuple[str, list[str], str]:
     """(head, one text per eqn, outputs), with the graph's variable names. With `nested`, an
     eqn holding sub-graphs is several lines: its sub-graphs are printed in full below it (without
     roles, which only a top-level graph has)."""
-    name = name or _Namer()
+    name = name or Namer()
 
     def atom(a):
         return name(a) if isinstance(a, Var) else format_literal(a)
@@ -517,7 +510,7 @@ def format_region(region) -> str:
     return f"# region {region.id}: checkpoint({', '.join(args)}){parent}"
 
 
-def _graph_lines(graph: Graph, name: _Namer, roles: bool = True) -> list[str]:
+def _graph_lines(graph: Graph, name: Namer, roles: bool = True) -> list[str]:
     head, texts, outs = eqn_lines(graph, name, nested=True, roles=roles)
     notes = [_notes(eqn) for eqn in graph.eqns]
     width = max((len(t) for t, n in zip(texts, notes, strict=True) if n and "\n" not in t),
@@ -546,8 +539,8 @@ def format_graph(graph: Graph) -> str:
         check_fields(graph, deep=True)
     except GraphError as e:
         return "\n".join([f"# malformed graph (jg.check raises): {e}"]
-                         + _lenient_graph_lines(graph, _Namer()))
-    return "\n".join(_graph_lines(graph, _Namer()))
+                         + _lenient_graph_lines(graph, Namer()))
+    return "\n".join(_graph_lines(graph, Namer()))
 
 
 def _bad(value) -> str:
@@ -565,7 +558,7 @@ def _items(value) -> list | None:
     return list(value) if isinstance(value, tuple | list) else None
 
 
-def _lenient_graph_lines(graph, name: _Namer) -> list[str]:
+def _lenient_graph_lines(graph, name: Namer) -> list[str]:
     """The text form of a graph with malformed fields, each bad value marked where it stands."""
     def atom(a):
         if isinstance(a, Var):
@@ -604,47 +597,3 @@ def _lenient_graph_lines(graph, name: _Namer) -> list[str]:
                      f"{atoms(eqn.inputs)}".rstrip())
     lines.append(f"  in ( {atoms(graph.outputs, graph.output_roles)} ) }}")
     return lines
-
-
-def var_name(graph: Graph, v: Var) -> str:
-    """The name `str(graph)` gives `v` (for error messages)."""
-    name = _Namer()
-    eqn_lines(graph, name)
-    return name(v)
-
-
-def format_eqn(eqn, graph: Graph | None = None) -> str:
-    """One eqn as text, named as in `str(graph)` when the graph is given (for error messages)."""
-    if graph is not None:
-        index = next((i for i, e in enumerate(graph.eqns) if e is eqn), -1)
-        if index >= 0:
-            return eqn_lines(graph)[1][index]
-    name = _Namer()
-    outs = " ".join(f"{name(v)}:{short_aval(v.aval)}" for v in eqn.outputs) or "_"
-    ins = " ".join(name(a) if isinstance(a, Var) else format_literal(a) for a in eqn.inputs)
-    return f"{outs} = {eqn.op}{format_params(eqn)} {ins}".rstrip()
-
-
-# -- naming the eqn being processed in errors
-@contextlib.contextmanager
-def while_processing(what: str, eqn, graph=None, error=None):
-    """Context naming `eqn` (and the user's line) in any error raised inside it."""
-    try:
-        yield
-    except JGraphError as e:
-        if not getattr(e, "_jgraph_noted", False):
-            e.add_note(_where(what, eqn, graph))
-            e._jgraph_noted = True
-        raise
-    except (KeyboardInterrupt, SystemExit, MemoryError):
-        raise
-    except Exception as e:
-        cls = error or (TransformError if what == "differentiating" else JGraphError)
-        new = cls(f"{type(e).__name__} {_where(what, eqn, graph)}: {e}")
-        new._jgraph_noted = True
-        raise new from e
-
-
-def _where(what: str, eqn, graph) -> str:
-    text = format_eqn(eqn, graph)
-    return f"while {what} eqn `{text}`" + (f" ({eqn.source})" if eqn.source else "")

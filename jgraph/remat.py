@@ -23,7 +23,8 @@ from jgraph.fuse import STATE_OF, fuse_updates, with_grads, without_grads
 from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
 from jgraph.planner import validate as planner_validate
-from jgraph.planner.search import forward_and_tail, least_of, pooled, step_rewritten
+from jgraph.planner.least import least_of, pooled
+from jgraph.planner.search import forward_and_tail, step_rewritten
 from jgraph.planner.validate import xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
 from jgraph.target import Target, measuring_on, resolve
@@ -217,7 +218,7 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
 
 def _fits(result) -> bool:
     """Whether an attempt (`_attempt`) found a plan meeting the budget (not a least plan the
-    model ranked, waiting for its compile: `jgraph.planner.search.pooled`)."""
+    model ranked, waiting for its compile: `jgraph.planner.least.pooled`)."""
     return result[0] is not None and result[1] is None \
         and result[0].info["remat"].get("confirmed") != "pooled"
 

@@ -136,13 +136,12 @@ def test_a_percentage_no_plan_reaches_returns_the_least_plan_with_a_warning(chai
     assert_same_gradients(gb, gr, fn, args)
 
 
-def test_the_least_plan_of_a_step_takes_two_compiles_beyond_the_unplanned(monkeypatch):
+def test_the_least_plan_of_a_step_takes_two_compiles_beyond_the_unplanned(count_compiles):
     """A percentage no plan reaches, on a step over `SMALL_STEP` of temp: the model ranks every
     candidate (its plans, a checkpoint per stage, the hand arrangements) and only the two it
     puts least are compiled, beside the unplanned step a percentage needs; the plan returned
     needs no more than a `jax.checkpoint` per layer under either policy."""
-    from jgraph.memory import compiled
-    from jgraph.planner.search import SMALL_STEP
+    from jgraph.planner.least import SMALL_STEP
 
     fn, args = chain(layers=12, width=64, batch=1024)
     gb = joint(fn, *args)
@@ -156,9 +155,7 @@ def test_the_least_plan_of_a_step_takes_two_compiles_beyond_the_unplanned(monkey
             return jnp.mean(h * h)
         per_layer.append(jg.compiled_memory(jg.remat(joint(checkpointed, *args)),
                                             *args).temp_bytes)
-    measured, compiles = compiled._measured, []
-    monkeypatch.setattr(compiled, "_measured", lambda *a: compiles.append(a) or measured(*a))
-    monkeypatch.setattr(compiled, "_CACHE", {})
+    compiles = count_compiles()
     with pytest.warns(jg.BudgetWarning, match="no plan reaches"):
         gr = jg.remat(gb, budget="1%")
     assert len(compiles) <= 3, len(compiles)

@@ -42,7 +42,8 @@ from jgraph.chunk.emit import (
 from jgraph.chunk.find import readers_of
 from jgraph.chunk.rows import NotRowwise
 from jgraph.errors import TransformError
-from jgraph.ir import Eqn, Graph, Region, ShapedArray, Var, short_aval, while_processing
+from jgraph.ir import Eqn, Graph, Region, ShapedArray, Var, short_aval
+from jgraph.naming import while_processing
 from jgraph.ops import has_effects
 
 

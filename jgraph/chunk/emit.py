@@ -14,7 +14,8 @@ from jgraph.builder import Builder
 from jgraph.chunk.find import Head
 from jgraph.chunk.rows import row_params
 from jgraph.errors import TransformError
-from jgraph.ir import Eqn, Graph, Var, short_aval, while_processing
+from jgraph.ir import Eqn, Graph, Var, short_aval
+from jgraph.naming import while_processing
 
 
 def split_rows(rows, chunks: int) -> tuple[int, int, int, int]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from jgraph.backward import reverse_pass
 from jgraph.builder import Builder
 from jgraph.chunk.rows import NotRowwise, row_params
-from jgraph.ir import Eqn, Graph, Var, format_eqn
+from jgraph.ir import Eqn, Graph, Var
+from jgraph.naming import format_eqn
 from jgraph.ops import has_effects
 
 ROW_ROLES = ("data", "label")  # graph inputs that may carry rows (a param never does)

@@ -45,7 +45,8 @@ from jgraph.builder import Builder
 from jgraph.check import validate
 from jgraph.errors import TransformError
 from jgraph.fuse.slices import SLICE, STATE_OF, slice_form, sliced
-from jgraph.ir import Eqn, Graph, Var, eqn_lines, format_eqn, is_float
+from jgraph.ir import Eqn, Graph, Var, eqn_lines, is_float
+from jgraph.naming import format_eqn
 from jgraph.passes import dce
 
 

@@ -37,23 +37,21 @@ XLA took to compile the plans it checked.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import time
 import warnings
-import weakref
 
 from jgraph.backward import backward, forward_of
-from jgraph.errors import BudgetWarning, TransformError
+from jgraph.errors import TransformError
 from jgraph.ir import Graph, Var
-from jgraph.memory import peak_bytes
 from jgraph.memory.model import calibration
 from jgraph.planner import fast, hand, loops, on_graph, validate
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
+from jgraph.planner.least import least_plan
 from jgraph.planner.plan import HAND, ON_GRAPH, Plan, Segment
 from jgraph.planner.problem import Problem
+from jgraph.planner.report import peak, reported
 from jgraph.planner.validate import parse_budget
 from jgraph.regions import without_regions
 from jgraph.target import current
@@ -170,8 +168,8 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     plain = without_regions(graph) if rederive is None else step_rewritten(graph, rederive)
     done = plain if finish is None else finish(plain)
     if kind == "fraction" and amount >= 1:  # all of no remat's temp: no remat, uncompiled
-        return _reported(done, {"planner": planner, "budget_given": budget}, "no remat",
-                         _peak(done), None, 0, 0.0, started)
+        return reported(done, {"planner": planner, "budget_given": budget}, "no remat",
+                         peak(done), None, 0, 0.0, started)
     no_remat = xla_temp(plain) if reference is None else reference
     target = int(amount) if kind == "bytes" else int(amount * no_remat)
     def search():  # on the model's figures, or XLA's (`_confirmed`)
@@ -181,13 +179,13 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         if finished != no_remat:
             report["finished_temp"] = finished
         if finished <= target:
-            return _reported(done, report, "no remat", _peak(done), finished, 0, 0.0,
+            return reported(done, report, "no remat", peak(done), finished, 0, 0.0,
                              started)
         by_mode = problems(graph, rederive, plain)
         for problem in by_mode.values():
             problem.finish = finish
         used = _used(planner, by_mode)
-        estimates = {m: _peak(p.finished()) for m, p in by_mode.items()}
+        estimates = {m: peak(p.finished()) for m, p in by_mode.items()}
         # What XLA allocates beyond the estimate in a mode, whatever the plan (a scan's stacked
         # gradients, layout copies): the model's target is the budget less that. Measured on the
         # mode's graph when a plan of that mode is first chosen; until then, no remat's.
@@ -241,11 +239,11 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
                     smallest.append((on[1][0], on[1][1], on[1][3]))
             fitting = [s for s in smallest if s[2] <= target]
             if not fitting and kind == "fraction":
-                return _least(done, smallest, report | {"used": used}, budget, tried, started)
+                return least_plan(done, smallest, report | {"used": used}, budget, tried, started)
             if not fitting:
                 raise _unreachable(target, no_remat, tried, report.get("finished_temp"))
             plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
-            estimate = _peak(candidate)
+            estimate = peak(candidate)
         if used == "exact" and not plan.label.startswith(HAND):
             exact = _exactly(by_mode[plan.base], plan, target, tried, started, planner)
             report["milp"] = exact[0]
@@ -260,8 +258,8 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         found = _first_fitting(hands, recompute_flops(candidate), target, tried)
         if found is not None:
             plan, candidate, temp = found
-            estimate = _peak(candidate)
-        return _reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
+            estimate = peak(candidate)
+        return reported(candidate, report | {"used": used}, plan.describe(), estimate, temp,
                          len(tried) - 1, recompute_flops(candidate), started)
 
     with validate.at_budget(target):  # on TPU: a graph compiled at the budget's size
@@ -287,7 +285,7 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
             break
         info = found.info["remat"]
         if info.get("xla_temp") is None or "confirmed" in info:  # all of no remat's,
-            return _said(found, said)  # uncompiled; or the least plans, compiled (`_least`)
+            return _said(found, said)  # uncompiled; or the least plans, compiled (`least_plan`)
         predicted = info["xla_temp"]
         if predicted > target:  # the model's least plan: the compiler decides
             break
@@ -310,8 +308,6 @@ def _said(graph: Graph, said: list) -> Graph:
 
 AUTO_MILP_FLOOR = 0.25  # seconds the MILP of planner="auto" may always take
 CONFIRMS = 2  # plans made on the model and compiled, before every candidate is compiled
-LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage
-SMALL_STEP = 2**20  # (and every hand arrangement, on a step of less temp: `_least`)
 
 
 def _hand_arrangements(by_mode: dict) -> list[tuple[float, Plan, Graph]]:
@@ -360,7 +356,7 @@ def _exactly(problem: Problem, plan: Plan, target: int, tried: dict, started: fl
         return f"no cheaper plan than the chain DP's within {seconds:.1f} s", None
     exact = dataclasses.replace(exact, base=plan.base, cost=exact.cost + problem.base_cost)
     candidate = problem.build(exact)
-    estimate = _peak(candidate)
+    estimate = peak(candidate)
     if exact.describe() not in tried:
         tried[exact.describe()] = xla_temp(candidate)
     if tried[exact.describe()] > target:
@@ -384,7 +380,7 @@ def _on_graph(problem: Problem, below: float, target: int, tried: dict, started:
     tried[plan.describe()] = temp
     if flops >= below * (1 - 1e-9):
         return f"{label}: recomputes no less than the plan found", None
-    return label, (plan, graph, _peak(graph), temp)
+    return label, (plan, graph, peak(graph), temp)
 
 
 def _used(planner: str, by_mode: dict) -> str:
@@ -402,7 +398,7 @@ def _fit_estimate(by_mode: dict, budgets: dict, planner: str):
         if plan is None:
             return last
         candidate = by_mode[plan.base].build(plan)
-        estimate = _peak(candidate)
+        estimate = peak(candidate)
         last = plan, candidate, estimate
         if estimate <= budgets[plan.base]:
             break
@@ -443,7 +439,7 @@ def _swept_plans(by_mode: dict, tried: dict):
         return []
     found = []
     for mode, problem in by_mode.items():
-        top = _peak(problem.finished())
+        top = peak(problem.finished())
         for share in SWEPT_SHARES:
             plan = cheapest({mode: problem}, {mode: share * top}, "fast")
             if plan is None:
@@ -459,7 +455,7 @@ def _smallest_plans(by_mode: dict, tried: dict):
     in less memory than the model's least."""
     found = []
     for mode, problem in by_mode.items():
-        least = fast.FastPlanner(problem.stages, _peak(problem.graph)).smallest()
+        least = fast.FastPlanner(problem.stages, peak(problem.graph)).smallest()
         candidates = [] if least is None else [least[1]]
         if len(problem.stages) > 1:
             candidates.append(Plan(frozenset(), tuple(
@@ -471,142 +467,6 @@ def _smallest_plans(by_mode: dict, tried: dict):
             if plan.describe() not in tried:
                 tried[plan.describe()] = xla_temp(candidate)
             found.append((plan, candidate, tried[plan.describe()]))
-    return found
-
-
-@dataclasses.dataclass
-class Least:
-    """One search's least plans where no plan meets a percentage, ranked on the model and not
-    yet compiled (`pooled`): `ranked` holds `(plan, graph, model figure)`, `plain` the step
-    without a plan; the rest is what `_least` reports with."""
-
-    plain: Graph
-    ranked: list
-    report: dict
-    budget: str
-    tried: dict
-    started: float
-    info: dict = dataclasses.field(default_factory=dict)  # added to the plan returned
-
-
-_POOL: contextvars.ContextVar = contextvars.ContextVar("jgraph_least_pool", default=None)
-
-
-@contextlib.contextmanager
-def pooled():
-    """Inside, a search meeting a percentage no plan reaches on the model compiles nothing: it
-    puts its ranked least plans (`Least`) in the list yielded and returns the model's least plan
-    (`info["remat"]["confirmed"] == "pooled"`); `least_of(pool)` then compiles the
-    `LEAST_COMPILED` plans the model puts least over every search (`jg.remat`'s attempts with
-    the loss head whole and in chunks: two compiles in all, not two per attempt)."""
-    pool: list[Least] = []
-    token = _POOL.set(pool)
-    try:
-        yield pool
-    finally:
-        _POOL.reset(token)
-
-
-def _least(plain: Graph, smallest: list, report: dict, budget: str, tried: dict,
-           started: float) -> Graph:
-    """A percentage no plan reaches: the plan reaching the least temp (no remat when none
-    lowers it), with a `BudgetWarning` naming both figures. On the model, the `LEAST_COMPILED`
-    plans it puts least (the hand arrangements among the candidates) are compiled, and the
-    least compiled is returned: two compiles, not one per candidate; on a step of less than
-    `SMALL_STEP` of temp, where each buffer is a few alignments and the model ranks loosely
-    (and a compile takes milliseconds), every hand arrangement too. A byte budget is a hard
-    limit (the memory a device has) and is an error instead; a percentage is a share of this
-    graph's own temp, which on a small graph (parameters and gradients alone) nothing lowers.
-    Inside `pooled()` the compiles wait for `least_of`."""
-    if not validate.on_the_model():
-        return _least_found(Least(plain, smallest, report, budget, tried, started), smallest,
-                            None)
-    least = Least(plain, _distinct(sorted(smallest, key=_model_order)), report, budget, tried,
-                  started)
-    pool = _POOL.get()
-    if pool is None:
-        return least_of([least])
-    pool.append(least)
-    plan, candidate, figure = min(least.ranked, key=lambda s: s[2],
-                                  default=(None, plain, report["no_remat_temp"]))
-    return _reported(candidate, report | {"confirmed": "pooled"}, "pooled", _peak(candidate),
-                     figure, len(tried) - 1, 0.0, started)
-
-
-def least_of(pool: list[Least]) -> Graph:
-    """The least plan of the searches in `pool` (`pooled`), the first of which is the step as
-    given: the `LEAST_COMPILED` distinct plans the model puts least over all of them (and every
-    hand arrangement of a search whose step has less than `SMALL_STEP` of temp) compiled, on
-    TPU at the budget's size, and the least compiled returned (`_least`), or the step without a
-    plan where none lowers it."""
-    first = pool[0]
-    everything = _distinct(sorted(((p, c, f, least) for least in pool
-                                   for p, c, f in least.ranked), key=_model_order))
-    chosen = everything[:LEAST_COMPILED]
-    for least in pool:
-        if least.report["no_remat_temp"] < SMALL_STEP:
-            chosen += [s for s in everything[LEAST_COMPILED:]
-                       if s[3] is least and s[0].label.startswith(HAND)]
-    modelled = {id(c): f for _, c, f, _ in chosen}
-    with validate.on_model(None), validate.at_budget(first.report["budget"]):
-        compiled = [(p, c, validate.xla_temp(c), least) for p, c, _, least in chosen]
-        unplanned = (validate.xla_temp(first.plain) if "finished_temp" in first.report
-                     else first.report["no_remat_temp"])
-    modelled[id(first.plain)] = first.report.get("finished_temp", first.report["no_remat_temp"])
-    best = min(compiled, key=lambda s: s[2], default=None)
-    least = first if best is None or best[2] >= unplanned else best[3]
-    report = least.report | {"confirmed": "compiled"}
-    if "finished_temp" in report:
-        report["finished_temp"] = unplanned
-    found = [(p, c, t) for p, c, t, s in compiled if s is least]
-    graph = _least_found(dataclasses.replace(least, report=report), found, modelled,
-                         unplanned)
-    return graph if not least.info else graph.replace(info={**graph.info, "remat": {
-        **graph.info["remat"], **least.info}})
-
-
-def _least_found(least: Least, smallest: list, modelled: dict | None,
-                 unplanned: int | None = None) -> Graph:
-    """`_least`'s plan among `smallest` (`(plan, graph, compiled figure)`), and its warning."""
-    plain, report, budget = least.plain, least.report, least.budget
-    no_remat = report["no_remat_temp"]
-    if unplanned is None:
-        unplanned = report.get("finished_temp", no_remat)  # `plain` as it runs (finished)
-    plan, candidate, temp = min(smallest, key=lambda s: s[2], default=(None, plain, unplanned))
-    if temp >= unplanned:
-        plan, candidate, temp = None, plain, unplanned
-    if modelled is not None:
-        report["model_temp"] = modelled.get(id(candidate), temp)
-    how = "without remat" if plan is None else f"with the plan: {plan.describe()}"
-    if temp > report["budget"]:  # (the model may have put a plan meeting it over it)
-        warnings.warn(
-            f"remat(budget={budget!r}): no plan reaches {report['budget']} bytes; returning "
-            f"the smallest compiled {current().word} a plan reaches, {temp} bytes, {how} (no "
-            f"remat: {no_remat} bytes)", BudgetWarning, stacklevel=4)
-        report = report | {"unmet": True}
-    return _reported(candidate, report, "no remat" if plan is None else
-                     plan.describe(), _peak(candidate), temp, len(least.tried) - 1,
-                     0.0 if plan is None else recompute_flops(candidate), least.started)
-
-
-def _model_order(candidate) -> tuple:
-    """How the model ranks a least plan `(plan, graph, figure, ...)`: its figure, then the less
-    recompute (where the model sees no difference in memory, the faster plan; an adam step of an
-    8-layer MLP: every arrangement at one figure, and the checkpoint per layer keeping its
-    contractions, the least recompute of them, the least temp compiled too)."""
-    return candidate[2], recompute_flops(candidate[1])
-
-
-def _distinct(ranked: list) -> list:
-    """`(plan, graph, figure)` candidates, one per arrangement: two plans reaching the same
-    model figure with the same recompute (the DP's least plan and a checkpoint per stage, one
-    mode's plan and another's) are one arrangement, compiled once."""
-    seen, found = set(), []
-    for s in ranked:
-        key = (s[2], recompute_flops(s[1]))
-        if key not in seen:
-            seen.add(key)
-            found.append(s)
     return found
 
 
@@ -627,17 +487,6 @@ def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None 
     return error
 
 
-_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _peak(graph: Graph) -> int:
-    """`jg.memory(graph).peak_bytes`, once per graph: the search meets the same plan's graph
-    (`Problem.build` keeps them) again and again."""
-    if graph not in _PEAKS:
-        _PEAKS[graph] = peak_bytes(graph)
-    return _PEAKS[graph]
-
-
 def xla_temp(graph: Graph) -> int:
     """XLA's temp for `graph`, its compile time counted apart from the planning's."""
     started = time.perf_counter()
@@ -645,13 +494,3 @@ def xla_temp(graph: Graph) -> int:
         return validate.xla_temp(graph)
     finally:
         validate.seconds += time.perf_counter() - started
-
-
-def _reported(graph: Graph, report: dict, plan: str, estimate: int, temp: int, retries: int,
-              flops: float, started: float) -> Graph:
-    info = dict(graph.info, remat=dict(
-        graph.info.get("remat", {}), **report, plan=plan, estimated_peak=estimate,
-        xla_temp=temp, retries=retries, recompute_flops=flops,
-        planning_seconds=time.perf_counter() - started - validate.seconds,
-        xla_seconds=validate.seconds))
-    return graph.replace(info=info)
