@@ -64,6 +64,21 @@ def _x64_scope(request):
 
 
 @pytest.fixture
+def count_compiles(monkeypatch):
+    """`count_compiles()`: from then on, a list holding one entry per compile jgraph makes
+    (`jgraph.memory.compiled`), its figure cache emptied so none is served from it."""
+    def start() -> list:
+        from jgraph.memory import compiled
+
+        measured, made = compiled._measured, []
+        monkeypatch.setattr(compiled, "_measured", lambda *a: made.append(a) or measured(*a))
+        monkeypatch.setattr(compiled, "_CACHE", {})
+        return made
+
+    return start
+
+
+@pytest.fixture
 def sigint_handler():
     """Python's default SIGINT handler in this process for the test, however pytest was started
     (under `nohup` or in a background job SIGINT starts ignored, and a test that sends itself

@@ -151,21 +151,18 @@ def test_the_least_temp_reached_with_the_chunked_head_is_carried_by_the_error():
     assert e.value.least_temp == said < xla_temp(gb)
 
 
-def test_the_least_plan_over_every_attempt_takes_two_compiles(monkeypatch):
+def test_the_least_plan_over_every_attempt_takes_two_compiles(count_compiles):
     """A percentage no plan reaches: `jg.remat` plans the graph as it is and with its loss head
     in chunks on the model calibrated by the one compile of the unplanned step, ranks the least
     plans of both attempts together and compiles the two the model puts least (it compiled a
     calibration and two plans per attempt). The plan returned is the chunked head's, reaching
     less than the least plan with the head whole, as compiled."""
-    from jgraph.memory import compiled
 
     head, params, x, y = wide_head()
     gb = jg.backward(jg.trace(head, params, x, y, param_argnums=0))
     with pytest.warns(jg.BudgetWarning, match="no plan reaches"):
         whole = jg.remat(gb, budget="1%", chunks=None).info["remat"]["xla_temp"]
-    measured, compiles = compiled._measured, []
-    monkeypatch.setattr(compiled, "_measured", lambda *a: compiles.append(a) or measured(*a))
-    monkeypatch.setattr(compiled, "_CACHE", {})
+    compiles = count_compiles()
     with pytest.warns(jg.BudgetWarning, match="reached with the loss head over chunks"):
         gr = jg.remat(gb, budget="1%")
     assert len(compiles) <= 3, len(compiles)
