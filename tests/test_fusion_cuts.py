@@ -173,6 +173,7 @@ def test_memory_of_a_graph_with_an_eqn_of_no_outputs():
     assert jg.memory(gb).peak_bytes > 0
 
 
+@pytest.mark.extended  # about 8-10 s: the default suite keeps its margin under 10 minutes
 def test_cuts_in_bf16_and_inside_a_backward_scan_body():
     params, x = residual_args(batch=8, seq=64)
     low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params, x))

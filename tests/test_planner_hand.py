@@ -149,6 +149,7 @@ def test_scan_modes_take_no_more_than_jaxs_scan_arrangements():
         assert xla_temp(by_mode[mode].finished()) <= jax_temp(fn), mode
 
 
+@pytest.mark.extended  # about 8-10 s: the default suite keeps its margin under 10 minutes
 def test_concatenated_skips_least_plan_holds_per_layer_checkpoint():
     """Issue 42: a decoder reading its skip through `jnp.concatenate` keeps no narrowing
     boundary; the layers are found from the user's function calls (`chain.call_starts`), so

@@ -196,6 +196,7 @@ def test_the_step_ending_a_period_is_planned_too(mode):  # "ignore": opt-in, `-m
         assert "2 steps miss the budget" in str(budget_warnings[0].message)
 
 
+@pytest.mark.extended  # about 8-10 s: the default suite keeps its margin under 10 minutes
 def test_a_guarded_periods_steps_are_predicted_within_ten_percent():
     """Both steps of a period behind `on_nonfinite="raise"`'s guard, each at its least plan.
     The step ending the period: each leaf's `all(is_finite(x))` is a tree reduction (XLA's
