@@ -94,8 +94,24 @@ def test_one_compile_at_a_size_says_which_side_it_lies_on():
     assert hbm.at_size(lowered, {}, 60).fits
     over_code = hbm.at_size(lowered, {}, 54)  # fails after code generation
     assert not over_code.fits and 55 * MIB <= over_code.hbm_used <= 55.01 * MIB
-    over_buffers = hbm.at_size(lowered, {}, 40)  # fails after buffer assignment
+    assert over_code.code_counted
+    over_buffers = hbm.at_size(lowered, {}, 40)  # fails after buffer assignment: no code yet
     assert not over_buffers.fits and 50 * MIB <= over_buffers.hbm_used <= 50.01 * MIB
+    assert not over_buffers.code_counted
+
+
+def test_a_failure_before_code_exists_is_given_the_models_code():
+    """A compile failing at buffer assignment names its buffers alone; the model's fit figure
+    of it adds the code the unplanned step showed (and nothing to a figure that counts it)."""
+    from jgraph.memory.compiled import CompiledMemory
+    from jgraph.memory.model import Calibration
+    from jgraph.target import resolve
+
+    fitted = Calibration(resolve("cpu"), figure=70 * MIB, modelled=64 * MIB)  # code: 6 MiB
+    failed = dict(temp_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0, dots=0,
+                  figure="hbm_bytes", hbm_mode="at 40 MiB", fits=False, hbm_bytes=50 * MIB)
+    assert fitted.fit_of(CompiledMemory(**failed, code_counted=False)) == 56 * MIB
+    assert fitted.fit_of(CompiledMemory(**failed)) == 50 * MIB
 
 
 def test_another_failure_is_raised_as_it_is():

@@ -191,7 +191,11 @@ def test_the_least_plan_reaches_jaxs_per_layer_checkpoint_on_tpu(topology, gb):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jg.BudgetWarning)
         least = jg.remat(gb, budget="1%", target=chip)
-    assert jg.compiled_memory(least, target=chip).hbm_bytes <= 1.02 * hand
+    exact = jg.compiled_memory(least, target=chip).hbm_bytes
+    assert exact <= 1.02 * hand
+    # the figure it reports is its fit figure, code included (a compile at 1 % of the step's
+    # size fails at buffer assignment and names the buffers alone, laid out for that size)
+    assert exact - MIB <= least.info["remat"]["xla_temp"] <= 1.10 * exact
 
 
 def test_the_model_predicts_a_plans_hbm_from_one_compile(topology, gb):

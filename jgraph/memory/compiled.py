@@ -61,6 +61,9 @@ class CompiledMemory:
     hbm_bytes: int = 0  # TPU: the HBM the step needs, found as `hbm_mode` says (0: elsewhere)
     hbm_mode: str = ""  # "exact", "estimate" or "at N MiB" (module docstring; "": not TPU)
     fits: bool = True  # compiled at "N MiB": whether it fit (else only `hbm_bytes` is known)
+    # False: it failed at buffer assignment, so `hbm_bytes` is its buffers there without the
+    # code (`jgraph.memory.model.Calibration.fit_of` adds the code as the model knows it)
+    code_counted: bool = True
     # The graph's eqns (by index) whose value XLA wrote to a buffer of its own, and those it
     # computed only inside the fusions reading them (`jgraph.memory.fusions`).
     materialised: tuple[int, ...] = ()
@@ -182,7 +185,7 @@ def _measured(target: Target, lowered, options: dict, mode: str,
             return CompiledMemory(temp_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0,
                                   dots=0, peak_bytes=got.hbm_used, platform=target.platform,
                                   figure=target.figure, hbm_bytes=got.hbm_used, hbm_mode=mode,
-                                  fits=False)
+                                  fits=False, code_counted=got.code_counted)
         compiled, hbm = got.compiled, min(got.hbm_used, size * MIB)  # it fit in `size`
     elif mode == "exact":
         size, first = smallest_size(lowered, options)
@@ -209,7 +212,7 @@ def _measured(target: Target, lowered, options: dict, mode: str,
 
 # -- the figure cache ------------------------------------------------------------------------------
 _CACHE: dict[str, CompiledMemory] = {}
-FORMAT = 2  # of what a cached entry holds
+FORMAT = 3  # of what a cached entry holds
 
 
 def _versions() -> tuple:

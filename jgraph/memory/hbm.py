@@ -50,6 +50,7 @@ class AtSize:
     fits: bool  # it compiled there
     hbm_used: int  # bytes it needed there: buffers + code (fits) or what the failure reported
     compiled: object = None  # the compiled step, when it fits
+    code_counted: bool = True  # False: it failed at buffer assignment, before any code existed
 
 
 def at_size(lowered, options: dict, size_mib: int | None = None) -> AtSize:
@@ -64,7 +65,7 @@ def at_size(lowered, options: dict, size_mib: int | None = None) -> AtSize:
             needed = _needed(str(e))
             if needed is None:
                 raise
-            return AtSize(size_mib, False, needed)
+            return AtSize(size_mib, False, needed[0], code_counted=needed[1])
         buffers = _report_bytes(dump)
     code = int(compiled.memory_analysis().generated_code_size_in_bytes)
     return AtSize(size_mib, True, buffers + code, compiled)
@@ -110,11 +111,12 @@ def _ceil_mib(n: int) -> int:
     return max(1, math.ceil(n / MIB))
 
 
-def _needed(message: str) -> int | None:
+def _needed(message: str) -> tuple[int, bool] | None:
+    """(the bytes a failure says the step needed, whether they count its code)."""
     for pattern in (_USED, _TEMPORARIES):
         m = pattern.search(message)
         if m:  # printed to 0.01 of its unit: rounded up, never under
-            return math.ceil((float(m.group(1)) + 0.005) * _UNIT[m.group(2)])
+            return math.ceil((float(m.group(1)) + 0.005) * _UNIT[m.group(2)]), pattern is _USED
     return None
 
 

@@ -61,6 +61,14 @@ class Calibration:
             simulated = self.simulate(graph).placement.peak
         return round(simulated * self.figure / self.modelled) if self.modelled else simulated
 
+    def fit_of(self, compiled) -> int:
+        """The fit figure a compile (`CompiledMemory`) says, as near as it says it: on TPU a
+        compile failing at buffer assignment (`code_counted` False: an HBM size far under the
+        need) names its buffers alone, and the code is added as the unplanned step showed it."""
+        if compiled.code_counted:
+            return compiled.budget_bytes
+        return compiled.budget_bytes + max(self.figure - self.modelled, 0)
+
     def corrected(self, predicted: int, compiled: int) -> Calibration:
         """The model corrected by one compile of a plan it predicted at `predicted`: on TPU by
         the code (an offset), on CPU by the scale, so that plan is then predicted exactly."""

@@ -34,6 +34,7 @@ class Least:
     tried: dict
     started: float
     info: dict = dataclasses.field(default_factory=dict)  # added to the plan returned
+    fitted: object = None  # the model it was ranked on (`jgraph.memory.model.Calibration`)
 
 
 _POOL: contextvars.ContextVar = contextvars.ContextVar("jgraph_least_pool", default=None)
@@ -69,7 +70,7 @@ def least_plan(plain: Graph, smallest: list, report: dict, budget: str, tried: d
         return _least_found(Least(plain, smallest, report, budget, tried, started), smallest,
                             None)
     least = Least(plain, _distinct(sorted(smallest, key=_model_order)), report, budget, tried,
-                  started)
+                  started, fitted=validate.model_in_force())
     pool = _POOL.get()
     if pool is None:
         return least_of([least])
@@ -95,11 +96,12 @@ def least_of(pool: list[Least]) -> Graph:
             chosen += [s for s in everything[LEAST_COMPILED:]
                        if s[3] is least and s[0].label.startswith(HAND)]
     modelled = {id(c): f for _, c, f, _ in chosen}
-    with validate.on_model(None), validate.at_budget(first.report["budget"]):
-        compiled = [(p, c, validate.xla_temp(c), least) for p, c, _, least in chosen]
-        unplanned = (validate.xla_temp(first.plain) if "finished_temp" in first.report
-                     else first.report["no_remat_temp"])
     modelled[id(first.plain)] = first.report.get("finished_temp", first.report["no_remat_temp"])
+    budget = first.report["budget"]
+    compiled = [(p, c, _compiled(c, f, budget, least.fitted), least)
+                for p, c, f, least in chosen]
+    unplanned = (_compiled(first.plain, modelled[id(first.plain)], budget, first.fitted)
+                 if "finished_temp" in first.report else first.report["no_remat_temp"])
     best = min(compiled, key=lambda s: s[2], default=None)
     least = first if best is None or best[2] >= unplanned else best[3]
     report = least.report | {"confirmed": "compiled"}
@@ -110,6 +112,17 @@ def least_of(pool: list[Least]) -> Graph:
                          unplanned)
     return graph if not least.info else graph.replace(info={**graph.info, "remat": {
         **graph.info["remat"], **least.info}})
+
+
+def _compiled(graph: Graph, modelled: int, budget: int, fitted) -> int:
+    """`graph`'s figure compiled, for a least plan: on TPU at the HBM size the model puts it at
+    where that is over the budget (a compile at the budget's size fails there, and one far under
+    the need fails at buffer assignment, before any code exists: what it names is neither the
+    fit figure nor laid out as near it), its code added as the model knows it if it fails even
+    there (`Calibration.fit_of`); elsewhere at the budget (its temp: the size changes nothing)."""
+    with validate.on_model(None), validate.at_budget(max(budget, modelled)):
+        there = validate.xla_figures(graph)
+    return there.budget_bytes if fitted is None else fitted.fit_of(there)
 
 
 def _least_found(least: Least, smallest: list, modelled: dict | None,

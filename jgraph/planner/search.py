@@ -296,7 +296,7 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
             if info.get("plan") == "no remat" and "finished_temp" in info:
                 confirmed["finished_temp"] = there.budget_bytes  # the finished step, compiled
             return _said(found.replace(info={**found.info, "remat": confirmed}), said)
-        fitted = fitted.corrected(predicted, there.budget_bytes)
+        fitted = fitted.corrected(predicted, fitted.fit_of(there))
     return search()
 
 

@@ -117,6 +117,11 @@ def on_the_model() -> bool:
     return _MODEL.get() is not None
 
 
+def model_in_force():
+    """The model (`jgraph.memory.model.Calibration`) `on_model` put in force here, or None."""
+    return _MODEL.get()
+
+
 def xla_temp(graph: Graph) -> int:
     """The budget's figure (`jgraph.target`) of the compiled donated training step of `graph` on
     the target in force: its temp on CPU, its HBM need on TPU, its peak on GPU; predicted by the
