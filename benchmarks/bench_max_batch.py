@@ -5,8 +5,10 @@ The memory is fixed per model: the temp XLA:CPU gives JAX's own no-remat adam st
 largest batch whose step's temp stays within it:
 - JAX, every hand-written arrangement: no remat; a `jax.checkpoint` per layer (or, scanned, on the
   scan's body) with `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`;
-  2-layer segments (unrolled); each with XLA's default flags and with `cse_barrier_expander` off
-  (`KEEP_BARRIERS`, which keeps JAX's remat alive on XLA:CPU);
+  2-layer segments (unrolled); the expert's step (issue 43): the layers checkpointed with
+  `nothing_saveable` or `dots_saveable` and the loss head written by hand as a `lax.scan` over 8
+  checkpointed chunks of rows (`bench_planner.lm_head_loss`); each with XLA's default flags and
+  with `cse_barrier_expander` off (`KEEP_BARRIERS`, which keeps JAX's remat alive on XLA:CPU);
 - jgraph: the step graph `without_grads(jg.optimizer_step(jg.backward(jg.trace(loss)), adam))`
   (the step returns no gradients, as JAX's does not) planned whole by
   `jg.remat(go, budget=that memory)`: loop modes, the updates fused into the backward
@@ -73,6 +75,11 @@ DROPIN_MODELS = ["scanlm-4096", "scanlm-32768", "flax-scanlm-4096", "flax-scanlm
 cp = jax.checkpoint_policies
 POLICIES = {"nothing_saveable": cp.nothing_saveable, "dots_saveable": cp.dots_saveable,
             "dots_with_no_batch_dims": cp.dots_with_no_batch_dims_saveable}
+# The expert's step (issue 43): the layers checkpointed as above and the loss head written in
+# checkpointed chunks of rows by hand (`bench_planner.lm_head_loss`), as a JAX user training
+# with a large vocabulary writes it.
+HEAD_CHUNKS = 8
+EXPERT_POLICIES = ("nothing_saveable", "dots_saveable")
 
 
 def tx():
@@ -114,12 +121,18 @@ def model(name: str):
         params, _ = scanned_lm_args(vocab=vocab)
         hand = {f"scan(checkpoint(body, {p}))": scanned_lm(
             lambda f, p=policy: jax.checkpoint(f, policy=p)) for p, policy in POLICIES.items()}
+        hand.update({f"scan(checkpoint(body, {p})), head in {HEAD_CHUNKS} chunks": scanned_lm(
+            lambda f, p=POLICIES[p]: jax.checkpoint(f, policy=p), HEAD_CHUNKS)
+            for p in EXPERT_POLICIES})
         plain = scanned_lm()
     elif kind == "lm":
         params, _ = transformer_args(layers=8, vocab=vocab)
         hand = {f"checkpoint per layer, {p}": transformer(
             lambda f, p=policy: jax.checkpoint(f, policy=p)) for p, policy in POLICIES.items()}
         hand["2-layer segments"] = transformer(jax.checkpoint, 2)
+        hand.update({f"checkpoint per layer, {p}, head in {HEAD_CHUNKS} chunks": transformer(
+            lambda f, p=POLICIES[p]: jax.checkpoint(f, policy=p), head_chunks=HEAD_CHUNKS)
+            for p in EXPERT_POLICIES})
         plain = transformer()
     else:
         raise SystemExit(f"unknown model {name!r}: scanlm-, lm-, flax-scanlm-, "

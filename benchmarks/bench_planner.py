@@ -96,8 +96,29 @@ def transformer_layer(p, x, heads=4):
     return x + jax.nn.gelu(_layer_norm(p["ln2"], x) @ p["w1"]) @ p["w2"]
 
 
-def transformer(wrap=lambda f: f, segment=1):
-    """The LM; `wrap` (a `jax.checkpoint`) around each run of `segment` layers."""
+def lm_head_loss(params, x, chunks: int | None = None):
+    """The LMs' loss head: the final norm, the tied output projection, the mean of
+    `-log_softmax(logits)[..., 0]`. With `chunks`, as a JAX expert writes it by hand for a
+    large vocabulary (Liger's fused linear cross-entropy, Cut Cross-Entropy): a `lax.scan`
+    over `chunks` runs of rows whose body is a `jax.checkpoint`, so one run's logits exist at
+    a time (`chunks` divides batch x seq)."""
+    if chunks is None:
+        logits = _layer_norm(params["lnf"], x) @ params["embed"].T
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    @jax.checkpoint
+    def run(total, rows):
+        logits = _layer_norm(params["lnf"], rows) @ params["embed"].T
+        return total + jnp.sum(jax.nn.logsumexp(logits, -1) - logits[:, 0]), None
+
+    rows = x.reshape(chunks, -1, x.shape[-1])
+    total, _ = lax.scan(run, jnp.zeros((), x.dtype), rows)
+    return total / (x.shape[0] * x.shape[1])
+
+
+def transformer(wrap=lambda f: f, segment=1, head_chunks: int | None = None):
+    """The LM; `wrap` (a `jax.checkpoint`) around each run of `segment` layers; the loss head in
+    `head_chunks` checkpointed runs of rows when given (`lm_head_loss`)."""
 
     def run(ps, x):
         for p in ps:
@@ -108,8 +129,7 @@ def transformer(wrap=lambda f: f, segment=1):
         x, layers = params["embed"][tokens], params["layers"]
         for i in range(0, len(layers), segment):
             x = wrap(run)(layers[i:i + segment], x)
-        logits = _layer_norm(params["lnf"], x) @ params["embed"].T
-        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        return lm_head_loss(params, x, head_chunks)
 
     return loss
 
@@ -186,16 +206,16 @@ def scanned_lm_args(layers=8, d=256, seq=128, batch=8, vocab=4096):
     return params, jax.random.randint(next(keys), (batch, seq), 0, vocab)
 
 
-def scanned_lm(wrap=lambda f: f):
-    """The transformer LM with `lax.scan` over its stacked layers; `wrap` around the body."""
+def scanned_lm(wrap=lambda f: f, head_chunks: int | None = None):
+    """The transformer LM with `lax.scan` over its stacked layers; `wrap` around the body; the
+    loss head in `head_chunks` checkpointed runs of rows when given (`lm_head_loss`)."""
 
     def body(x, p):
         return transformer_layer(p, x), None
 
     def loss(params, tokens):
         x, _ = lax.scan(wrap(body), params["embed"][tokens], params["layers"])
-        logits = _layer_norm(params["lnf"], x) @ params["embed"].T
-        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        return lm_head_loss(params, x, head_chunks)
 
     return loss
 
