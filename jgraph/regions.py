@@ -37,6 +37,7 @@ drive it too.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import jax.numpy as jnp
 
@@ -315,6 +316,15 @@ class _Planner:
 
 
 def without_regions(graph: Graph) -> Graph:
-    """`graph` with no checkpoint regions (a planner's starting point)."""
-    eqns = tuple(dataclasses.replace(e, regions=()) if e.regions else e for e in graph.eqns)
-    return graph.replace(eqns=eqns, regions=())
+    """`graph` with no checkpoint regions (a planner's starting point): one graph per `graph`
+    (itself when it has none), so what is measured of it once (its compile, its calibration,
+    its estimate, all kept per graph) is not measured again for a copy."""
+    if not graph.regions and not any(e.regions for e in graph.eqns):
+        return graph
+    if graph not in _WITHOUT:
+        eqns = tuple(dataclasses.replace(e, regions=()) if e.regions else e for e in graph.eqns)
+        _WITHOUT[graph] = graph.replace(eqns=eqns, regions=())
+    return _WITHOUT[graph]
+
+
+_WITHOUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

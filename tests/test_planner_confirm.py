@@ -49,6 +49,11 @@ def _counting(monkeypatch):
 @pytest.mark.parametrize("budget", ["60%", "35%"])
 def test_a_plan_is_made_on_the_model_and_confirmed_by_one_compile(gb, budget, monkeypatch):
     compiles = _counting(monkeypatch)
+    lowered = []
+    lower = compiled_module._lowered
+    monkeypatch.setattr(compiled_module, "_lowered",
+                        lambda *a: lowered.append(lower(*a)[1].as_text()) or lower(*a))
+    monkeypatch.setattr(compiled_module, "_LOWERED", compiled_module.collections.OrderedDict())
     with warnings.catch_warnings():
         warnings.simplefilter("error", jg.BudgetWarning)
         plan = jg.remat(gb, budget=budget)
@@ -56,6 +61,7 @@ def test_a_plan_is_made_on_the_model_and_confirmed_by_one_compile(gb, budget, mo
     assert info["confirmed"] == "compiled" and info["plan"] != "no remat"
     # the unplanned step's compile (the percentage and the calibration) and the plan's
     assert len(compiles) == 2
+    assert len(lowered) == len(set(lowered)) == 2  # each program lowered once (0.3 s a time)
     assert info["xla_temp"] <= info["budget"]
     assert jg.compiled_memory(plan).temp_bytes == info["xla_temp"]
     assert info["model_temp"] <= info["budget"]  # the model's own figure of it

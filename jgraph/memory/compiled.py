@@ -27,12 +27,14 @@ process always, and on disk in `jgraph.config.figure_cache_dir` when it is set
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass
 
 import jax
@@ -147,7 +149,24 @@ def compiled_memory(graph: Graph, *args, target=None, exact: bool = True) -> Com
 
 
 def lowered_step(graph: Graph, target: Target):
-    """The donated training step of `graph` lowered for `target` from its input avals."""
+    """The donated training step of `graph` lowered for `target` from its input avals; the last
+    few kept (`RECENT`): a planner measures a graph, then calibrates its model on it."""
+    key = (id(graph), target.key)
+    if key in _LOWERED and _LOWERED[key][0]() is graph:
+        _LOWERED.move_to_end(key)
+        return _LOWERED[key][1]
+    lowered = _lowered(graph, target)
+    _LOWERED[key] = (weakref.ref(graph), lowered)
+    while len(_LOWERED) > RECENT:
+        _LOWERED.popitem(last=False)
+    return lowered
+
+
+RECENT = 4  # lowered steps kept (`lowered_step`): each holds its program's text
+_LOWERED: collections.OrderedDict = collections.OrderedDict()
+
+
+def _lowered(graph: Graph, target: Target):
     step, _ = donated_step(graph)
     state = [r in STATE_ROLES for r in graph.input_roles]
     structs = target.structs([v.aval for v in graph.inputs], state, _input_names(graph))
