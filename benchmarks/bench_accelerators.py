@@ -11,7 +11,11 @@ For each model of `bench_planner` (and `scanlm8-adam`, the scanned 8-layer LM of
   (the least plan): the figure the target's compiler reports for the plan (compiled again),
   whether it is met, the recompute flop-equivalents, the planning and compile seconds;
 - at each arrangement's figure as a byte budget: the plan's figure and recompute flops against
-  the arrangement's.
+  the arrangement's;
+- on a TPU, the compiler's own rematerialization as the peer (issue 52): at each percentage's
+  HBM size, whether JAX's step without remat compiles there with the compiler's remat on (past
+  95 % of the HBM it rematerializes by itself), and the flops it adds as the compiler counts them
+  (its cost analysis), beside the flops jgraph's plan adds there, counted the same way.
 A TPU needs `pip install 'jgraph[tpu]'` (libtpu; no TPU device: nothing runs on a chip).
 
     python -m benchmarks.bench_accelerators --target tpu [--topology v5e:2x2] [--mesh] [models...]
@@ -34,7 +38,8 @@ from benchmarks.bench_max_batch import model as max_batch_model
 from benchmarks.bench_planner import models as planner_models
 from benchmarks.bench_planner import traced_recompute
 from jgraph.fuse import without_grads
-from jgraph.memory.compiled import read_figures
+from jgraph.memory.compiled import lowered_step, read_figures
+from jgraph.memory.hbm import at_size
 from jgraph.planner.cost import recompute_flops
 from jgraph.target import resolve
 
@@ -132,6 +137,42 @@ def planned(graph, budget, target):
     return plan, figure, seconds, unmet
 
 
+def _flops(compiled) -> float:
+    """The flops the target's compiler counts in a compiled step (its cost analysis)."""
+    found = compiled.cost_analysis()
+    found = found[0] if isinstance(found, list) else found
+    return float(found.get("flops", 0.0))
+
+
+def compiled_flops(lowered, target) -> float:
+    """The flops of `lowered` compiled as the budget's figure is (the compiler's remat off)."""
+    return _flops(lowered.compile(compiler_options=target.compile_options))
+
+
+def compiler_remat(lowered, target, size_bytes: int, base_flops: float):
+    """The TPU compiler's own rematerialization as the peer a plan must beat (issue 52): whether
+    `lowered` (JAX's step without remat) compiles at an HBM size of `size_bytes` (whole MiB,
+    rounded down as a budget is) with the compiler's rematerialization on, and the flops it adds
+    over `base_flops` (the step compiled with it off) where it does."""
+    options = {k: v for k, v in target.compile_options.items()
+               if k != "xla_tpu_rematerialization_min_size_in_bytes"}
+    got = at_size(lowered, options, max(1, size_bytes // MIB))
+    return (True, _flops(got.compiled) - base_flops) if got.fits else (False, None)
+
+
+def _compiler_line(case_args, target, amount: int, plan, mine_flops: float) -> str:
+    """`compiler_remat` at `amount` beside jgraph's plan there, flops as the compiler counts
+    them (recompute = the step's flops over its unplanned step's)."""
+    jax_step, jax_flops = case_args
+    fits, extra = compiler_remat(jax_step, target, amount, jax_flops)
+    ours = ""
+    if plan is not None:
+        added = compiled_flops(lowered_step(plan, target)[1], target) - mine_flops
+        ours = f"; jgraph's plan +{added / 1e9:.3g} GFLOP"
+    said = f"fits, +{extra / 1e9:.3g} GFLOP" if fits else "does not fit"
+    return f"    the compiler's own remat on JAX's step at that size: {said}{ours}"
+
+
 def run_model(name, case, target, budgets=BUDGETS) -> list[str]:
     fn, args, hand, kind = case
     args = tuple(_avals(a) for a in args)
@@ -146,6 +187,11 @@ def run_model(name, case, target, budgets=BUDGETS) -> list[str]:
     mine = jg.compiled_memory(graph, target=target).budget_bytes
     theirs = arrangements["no remat"][0]
     lines.append(f"  jgraph no remat: {mine / MIB:.2f} MiB = {mine / theirs:.3f}x JAX's no remat")
+    peer = None
+    if target.platform == "tpu":  # the compiler's own remat, the peer on a TPU (issue 52)
+        jax_step = jax_lowered(hand["no remat"], args, kind, target)
+        peer = ((jax_step, compiled_flops(jax_step, target)),
+                compiled_flops(lowered_step(graph, target)[1], target))
     for budget in budgets:
         plan, figure, seconds, unmet = planned(graph, budget, target)
         amount = mine * float(budget.rstrip("%")) / 100
@@ -156,6 +202,9 @@ def run_model(name, case, target, budgets=BUDGETS) -> list[str]:
                      f"({'unmet' if unmet else 'met'}; {figure / least if figure else 0:.3f}x "
                      f"least JAX arrangement {least_label!r}), recompute {flops or 0:.3g} flops, "
                      f"{seconds:.1f} s")
+        if peer is not None and budget != "1%":
+            lines.append(_compiler_line(peer[0], target, int(amount),
+                                        None if unmet else plan, peer[1]))
     for label, (figure_j, flops_j) in arrangements.items():
         if label == "no remat":
             continue
