@@ -51,9 +51,10 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
         planner: `"auto"`, `"exact"` or `"fast"` (`jgraph.planner`): dynamic programming, then a
             MILP for a cheaper plan (`"auto"`: up to 500 eqns, 10 s).
         chunks: with a budget, the loss head (and attention and token-wise MLPs) over `chunks`
-            chunks of rows is an option the planner weighs (`jg.chunk_rows`); None: never. The
-            chunked head's sums differ from the whole head's in their order, within 1e-6
-            normwise.
+            chunks of rows is an option the planner weighs (`jg.chunk_rows`), and 4x and 16x
+            as many while nothing fits with fewer (the fewest that fit are taken: a thinner
+            chunk is slower); None: never. The chunked head's sums differ from the whole
+            head's in their order, within 1e-6 normwise.
         target: the chip the plan is measured on: a local device, a topology's device for
             ahead-of-time work, a Sharding or a Mesh, or a platform name; None: the default
             backend's device.
@@ -168,28 +169,34 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
         reference = xla_temp(given if then is None else then(given))
     finish = _memo(finish)
     unplanned = without_regions(graph)  # one compile calibrates the model for every attempt
+    counts = {}  # the chunks each chunked attempt asked for, by its place in `results`
     with pooled() as pool:  # the least plans of every attempt, compiled together at the end
         results = [_attempt(graph, budget, planner, finish, reference, calibrated_by=unplanned)]
         if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
                 and results[0][1] is None):
             # the head and the token-wise MLPs in chunks; then attention over blocks of queries
-            # and the regions inside the loops' bodies too, which can cost more than they save
+            # and the regions inside the loops' bodies too, which can cost more than they save;
+            # then all of them over more chunks, each count only while nothing fits with fewer
+            # (a chunk's contractions thinner, slower: the fewest chunks that fit are taken)
             found = 0
-            for more in (False, True):
+            for count, more in _chunk_attempts(chunks):
                 if more and any(_fits(r) for r in results):
                     break  # (planned only when nothing fits without them)
-                chunked = None if chunks is None else _chunked(graph, chunks, more)
-                if chunked is None or len(chunked.info["chunk_rows"]["regions"]) == found:
+                chunked = _chunked(graph, count, more)
+                if chunked is None or (count, len(chunked.info["chunk_rows"]["regions"])) \
+                        == found:
                     continue
-                found = len(chunked.info["chunk_rows"]["regions"])
+                found = (count, len(chunked.info["chunk_rows"]["regions"]))
                 if _small_chunks(chunked.info["chunk_rows"]["regions"]) and _fits(results[0]):
                     continue  # (small chunks are taken only when nothing else fits: not planned)
                 reference = reference or xla_temp(unplanned)  # a share of the given
                 before = len(pool)
                 results.append(_attempt(graph, budget, planner, finish, reference,
-                                        _rows_in_chunks(chunks, more), chunked, unplanned))
+                                        _rows_in_chunks(count, more), chunked, unplanned))
+                counts[len(results) - 1] = count
                 if len(pool) > before:  # its least plans: say what is chunked, if one is taken
                     pool[-1].info["chunked"] = chunked.info["chunk_rows"]["regions"]
+                    pool[-1].info["chunks"] = count
     fitting = [r for r in results if _fits(r)]
     fitting = [r for r in fitting
                if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
@@ -203,8 +210,9 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     graph_ = None if graph_ is None else _timed(graph_, results)
     if (least is not results[0] if not pool
             else graph_ is not None and "chunked" in graph_.info["remat"]):
+        count = _chunks_of(graph_, least, results, counts)
         said = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
-                             f"(jg.chunk_rows, chunks={chunks})")  # which graph it is of
+                             f"(jg.chunk_rows, chunks={count})")  # which graph it is of
         if hasattr(problem, "least_temp"):
             said.least_temp = problem.least_temp
         problem = said
@@ -233,6 +241,24 @@ def _least_pooled(pool):
     warned = next((w.message for w in caught if issubclass(w.category, BudgetWarning)), None)
     spent = time.perf_counter() - started
     return graph, warned, None, graph.info["remat"]["xla_temp"], 0.0, spent
+
+
+MORE_CHUNKS = (4, 16)  # times `chunks`: the counts tried after it while nothing fits
+
+
+def _chunk_attempts(chunks: int | None) -> list[tuple[int, bool]]:
+    """`(count, more)` of each chunked attempt, in order (`_planned`): `chunks` without and with
+    attention blocks and loop bodies (`more`), then more chunks with them."""
+    if chunks is None:
+        return []
+    return [(chunks, False), (chunks, True)] + [(chunks * k, True) for k in MORE_CHUNKS]
+
+
+def _chunks_of(graph: Graph | None, least, results: list, counts: dict) -> int | None:
+    """The chunks asked for by the attempt the least plan (`graph`, `least` of `results`) is of."""
+    if graph is not None and "chunks" in graph.info["remat"]:  # (pooled: `least_of`)
+        return graph.info["remat"]["chunks"]
+    return counts.get(next(i for i, r in enumerate(results) if r is least))
 
 
 def _small_chunks(regions) -> bool:

@@ -469,3 +469,30 @@ def test_a_sum_of_a_param_over_the_row_axes_is_no_row_sum():
     gc = jg.chunk_rows(gb, chunks=4)
     assert gc.info["chunk_rows"]["regions"]
     assert_close(compiled(gc, PARAMS, h, x, y), compiled(gb, PARAMS, h, x, y), 2e-5)
+
+
+def test_a_budget_eight_chunks_miss_is_met_with_the_fewest_more_chunks_that_fit():
+    """A large vocabulary's head (512 rows x 8192 logits, 16 MiB): in 8 chunks each chunk's
+    logits and their cotangent still exceed the budget, in 32 they fit. `jg.remat` tries more
+    chunks only while nothing fits (4x, then 16x), and takes the fewest that fit (thicker
+    contractions); the error past them names the chunks the least plan ran."""
+    rng = np.random.default_rng(4)
+    params = {"w": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
+              "out": jnp.asarray(rng.standard_normal((32, 8192)) / 6, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((512, 32)), jnp.float32)
+
+    def loss(p, x):
+        logits = jnp.tanh(x @ p["w"]) @ p["out"]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[:, 0])
+
+    gb = jg.backward(jg.trace(loss, params, x, param_argnums=0))
+    eight, more = (jg.compiled_memory(jg.chunk_rows(gb, chunks=c)).temp_bytes for c in (8, 32))
+    budget = (eight + more) // 2
+    gr = jg.remat(gb, budget=budget)
+    report = gr.info["remat"]
+    assert report["xla_temp"] <= budget < eight
+    assert [r["chunks"] for r in report["chunked"] if r["kind"] == "head"] == [32]
+    assert_close(jg.compile(gr)(params, x), jax.jit(jax.value_and_grad(loss))(params, x),
+                 rtol=1e-5)
+    with pytest.raises(TransformError, match=r"chunks=128\)"):
+        jg.remat(gb, budget=more // 2)
