@@ -100,3 +100,18 @@ def test_the_corrected_model_predicts_the_plan_it_missed_exactly(gb):
     actual = jg.compiled_memory(plan).temp_bytes
     corrected = fitted.corrected(predicted, actual)
     assert abs(corrected.predict(plan) - actual) <= 0.001 * actual
+
+
+def test_a_byte_budget_far_below_every_plan_compiles_only_the_models_least(gb, count_compiles):
+    """No plan meets the model far below its least (`NEAR_MISS`): the error names the least
+    plan's compiled figure after one compile of it, not after compiling every candidate; that
+    figure is reachable (a plan meets it as a byte budget)."""
+    compiles = count_compiles()
+    with pytest.raises(jg.TransformError, match="no plan fits") as error:
+        jg.remat(gb, budget=4096, chunks=None)
+    assert len(compiles) == 2  # the unplanned step's and the least plan's
+    least = error.value.least_temp
+    assert f"the smallest compiled temp a plan reaches is {least} bytes, with the plan" in str(
+        error.value)
+    gr = jg.remat(gb, budget=least, chunks=None)
+    assert jg.compiled_memory(gr).temp_bytes <= least

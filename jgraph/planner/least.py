@@ -98,9 +98,9 @@ def least_of(pool: list[Least]) -> Graph:
     modelled = {id(c): f for _, c, f, _ in chosen}
     modelled[id(first.plain)] = first.report.get("finished_temp", first.report["no_remat_temp"])
     budget = first.report["budget"]
-    compiled = [(p, c, _compiled(c, f, budget, least.fitted), least)
+    compiled = [(p, c, compiled_figure(c, f, budget, least.fitted), least)
                 for p, c, f, least in chosen]
-    unplanned = (_compiled(first.plain, modelled[id(first.plain)], budget, first.fitted)
+    unplanned = (compiled_figure(first.plain, modelled[id(first.plain)], budget, first.fitted)
                  if "finished_temp" in first.report else first.report["no_remat_temp"])
     best = min(compiled, key=lambda s: s[2], default=None)
     least = first if best is None or best[2] >= unplanned else best[3]
@@ -114,7 +114,7 @@ def least_of(pool: list[Least]) -> Graph:
         **graph.info["remat"], **least.info}})
 
 
-def _compiled(graph: Graph, modelled: int, budget: int, fitted) -> int:
+def compiled_figure(graph: Graph, modelled: int, budget: int, fitted) -> int:
     """`graph`'s figure compiled, for a least plan: on TPU at the HBM size the model puts it at
     where that is over the budget (a compile at the budget's size fails there, and one far under
     the need fails at buffer assignment, before any code exists: what it names is neither the

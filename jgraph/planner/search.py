@@ -28,7 +28,10 @@
 On CPU and TPU "compiled" above means predicted by the model (`jgraph.memory.model`, calibrated
 by the unplanned step's compile a percentage needs anyway), and only the plan returned is
 compiled, to confirm it (`_confirmed`; `info["remat"]["confirmed"]`, `["model_temp"]`); a miss
-corrects the model and plans once more, a second miss compiles every candidate as above.
+corrects the model and plans once more, a second miss compiles every candidate as above. A byte
+budget no plan meets on the model is the compiler's to decide only near it (`NEAR_MISS`); far
+over it, the model's least plan alone is compiled, for the figure the error names
+(`_compiled_least`).
 
 `graph.info["remat"]` reports the planner, the budget, the estimate, XLA's temp (and no remat's),
 the retries, the recompute flops, the plan, the seconds planning took and (apart) the seconds
@@ -48,7 +51,7 @@ from jgraph.memory.model import calibration
 from jgraph.planner import fast, hand, loops, on_graph, validate
 from jgraph.planner.cost import recompute_flops
 from jgraph.planner.exact import AUTO_TIME_LIMIT, TIME_LIMIT, ExactPlanner, small_enough
-from jgraph.planner.least import least_plan
+from jgraph.planner.least import compiled_figure, least_plan
 from jgraph.planner.plan import HAND, ON_GRAPH, Plan, Segment
 from jgraph.planner.problem import Problem
 from jgraph.planner.report import peak, reported
@@ -241,7 +244,8 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
             if not fitting and kind == "fraction":
                 return least_plan(done, smallest, report | {"used": used}, budget, tried, started)
             if not fitting:
-                raise _unreachable(target, no_remat, tried, report.get("finished_temp"))
+                raise _unreachable(target, no_remat, tried, report.get("finished_temp"),
+                                   min(smallest, key=lambda s: s[2], default=None), done)
             plan, candidate, temp = min(fitting, key=lambda s: (recompute_flops(s[1]), s[2]))
             estimate = peak(candidate)
         if used == "exact" and not plan.label.startswith(HAND):
@@ -281,8 +285,11 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
             with warnings.catch_warnings(record=True) as said, validate.on_model(fitted):
                 warnings.simplefilter("always")
                 found = search()
-        except TransformError:  # nothing fits the model: the compiler decides
-            break
+        except TransformError as error:  # nothing fits the model
+            compiled = _compiled_least(error, fitted)
+            if compiled is not None:  # far over: its least plan compiled says so
+                raise compiled from None
+            break  # near the budget: the compiler decides
         info = found.info["remat"]
         if info.get("xla_temp") is None or "confirmed" in info:  # all of no remat's,
             return _said(found, said)  # uncompiled; or the least plans, compiled (`least_plan`)
@@ -470,10 +477,12 @@ def _smallest_plans(by_mode: dict, tried: dict):
     return found
 
 
-def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None = None
-                 ) -> TransformError:
+def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None = None,
+                 smallest: tuple | None = None, done: Graph | None = None) -> TransformError:
     """The error for a budget no plan meets: the smallest temp a plan reaches, and how
-    (`unplanned`: the temp of the graph as it runs without a plan, when it is finished)."""
+    (`unplanned`: the temp of the graph as it runs without a plan, `done`, when it is finished;
+    `smallest`: the least candidate `(plan, graph, figure)`, which `_compiled_least` compiles
+    where the figures are the model's)."""
     unplanned = no_remat if unplanned is None else unplanned
     if not tried or min(tried.values()) >= unplanned:
         least, how = unplanned, f"{unplanned} bytes, without remat"
@@ -484,7 +493,34 @@ def _unreachable(target: int, no_remat: int, tried: dict, unplanned: int | None 
         f"remat(budget={target} bytes): no plan fits; the smallest compiled {current().word} a "
         f"plan reaches is {how} (no remat: {no_remat} bytes)")
     error.least_temp = least  # for a caller weighing several attempts (`jgraph.remat`)
+    if least >= unplanned:  # the finished step without a plan (its figure the model's)
+        smallest = None if done is None or unplanned == no_remat else (None, done, unplanned)
+    error.least, error.figures = smallest, (target, no_remat, unplanned)
     return error
+
+
+NEAR_MISS = 1.25  # the model's least plan this far over a byte budget: no plan is compiled
+
+
+def _compiled_least(error: TransformError, fitted) -> TransformError | None:
+    """The model's "no plan fits" (a byte budget), made the compiler's: its least plan compiled
+    (one compile, where compiling every candidate took dozens: the scanned LM at vocab 32768,
+    29 compiles, 63 s, for a least plan 3.7x over the budget) and named with that figure. None
+    where it might fit after all (the model's least within `NEAR_MISS` of the budget, or
+    compiled within it): every candidate is compiled then."""
+    target, no_remat, unplanned = getattr(error, "figures", (None, None, None))
+    least = getattr(error, "least", None)
+    if target is None or error.least_temp <= NEAR_MISS * target:
+        return None
+    if least is None:  # no plan lowers the unplanned step, whose figure is compiled
+        return error
+    plan, graph, modelled = least
+    compiled = compiled_figure(graph, modelled, target, fitted)
+    if compiled <= target:
+        return None
+    if plan is None:  # the finished step without a plan
+        return _unreachable(target, no_remat, {}, compiled)
+    return _unreachable(target, no_remat, {plan.describe(): compiled}, unplanned)
 
 
 def xla_temp(graph: Graph) -> int:
