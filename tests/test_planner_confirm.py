@@ -51,8 +51,13 @@ def test_a_plan_is_made_on_the_model_and_confirmed_by_one_compile(gb, budget, mo
     compiles = _counting(monkeypatch)
     lowered = []
     lower = compiled_module._lowered
-    monkeypatch.setattr(compiled_module, "_lowered",
-                        lambda *a: lowered.append(lower(*a)[1].as_text()) or lower(*a))
+
+    def recorded(*args):
+        made = lower(*args)
+        lowered.append(made[1].as_text())
+        return made
+
+    monkeypatch.setattr(compiled_module, "_lowered", recorded)
     monkeypatch.setattr(compiled_module, "_LOWERED", compiled_module.collections.OrderedDict())
     with warnings.catch_warnings():
         warnings.simplefilter("error", jg.BudgetWarning)
