@@ -6,8 +6,9 @@ mask from the data, a sliding window, grouped heads) is found as a block region 
 `jax.value_and_grad` and with the unchunked graph (normwise 1e-6: the keys' and values' cotangents
 are summed over blocks), with block counts that divide the sequence and counts that do not. The
 block rules are checked op by op; attention whose rows are not independent per block of queries
-(a softmax over the queries) is left alone; the compiled temp loses the scores; the planner uses
-the blocks to meet a budget recomputation alone does not reach.
+(a softmax over the queries) is not cut along them; a batch with as many examples as chunks runs
+over blocks of examples; the compiled temp loses the scores; the planner uses the blocks to meet
+a budget recomputation alone does not reach.
 """
 
 import flax.linen as nn
@@ -149,6 +150,40 @@ def test_a_padded_batch_with_a_loss_head_chunks_both():
     assert relative_error(jg.compile(gc)(p, x, keep, y), want) < 1e-6
 
 
+def test_a_batch_at_least_as_long_as_the_chunks_runs_over_blocks_of_examples():
+    """With as many examples as chunks, a block is a few whole examples: its contractions are
+    as wide as the whole's (blocks of queries contract a few rows at a time, slowly) and its
+    keys and values are cut into blocks too, not read whole; the scores still leave the temp."""
+    t, b = 64, 8
+    p = {**PARAMS, "out": normal(D, 32)}
+    x = normal(b, t, D)
+    keep = jnp.asarray(np.arange(t)[None, :] < RNG.integers(t // 2, t + 1, (b, 1)))
+    y = jnp.asarray(RNG.integers(0, 32, (b, t)), jnp.int32)
+
+    def lm(p, x, keep, y):  # a padding mask from the data, a loss head over a vocabulary
+        s = jnp.einsum("bqhd,bkhd->bhqk", heads(x, p["q"]), heads(x, p["k"])) / np.sqrt(DH)
+        s = jnp.where(keep[:, None, None, :] & jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), heads(x, p["v"]))
+        h = x + o.reshape(x.shape) @ p["o"]
+        ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], y)
+        return jnp.sum(ce * keep) / jnp.sum(keep)
+
+    gb = jg.backward(jg.trace(lm, p, x, keep, y, param_argnums=0))
+    gc = jg.check(jg.chunk_rows(gb, chunks=4))
+    (region,) = [r for r in gc.info["chunk_rows"]["regions"] if r["kind"] == "blocks"]
+    assert region["axis"] == 0 and region["chunks"] == 4 and region["chunk_rows"] == 2, region
+    assert region["read_whole"] == [], region
+    want = jax.jit(jax.value_and_grad(lm))(p, x, keep, y)
+    assert relative_error(jg.compile(gc)(p, x, keep, y), want) < 1e-6
+    queries = jg.check(jg.chunk_rows(gb, chunks=16))  # more chunks than examples: queries
+    (region,) = [r for r in queries.info["chunk_rows"]["regions"] if r["kind"] == "blocks"]
+    assert region["axis"] == 1 and region["read_whole"], region
+    whole = jg.compiled_memory(gb, p, x, keep, y).temp_bytes
+    blocks = jg.compiled_memory(gc, p, x, keep, y).temp_bytes
+    scores = b * H * t * t * 4
+    assert blocks + scores < whole, (blocks, whole, scores)
+
+
 def softmax_over_queries(p, x):  # each key's weights normalised over the queries: blocks mix
     s = jnp.einsum("bqhd,bkhd->bhqk", heads(x, p["q"]), heads(x, p["k"]))
     o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -2), heads(x, p["v"]))
@@ -163,7 +198,11 @@ def short_sequence(p, x):  # scores no larger than the output: nothing to gain
 def test_attention_whose_blocks_are_not_independent_or_small_is_left_alone(fn):
     gb = jg.backward(jg.trace(fn, PARAMS, X, param_argnums=0))
     gc = jg.check(jg.chunk_rows(gb, chunks=4))
-    assert not [r for r in gc.info["chunk_rows"]["regions"] if r["kind"] == "blocks"]
+    found = [r for r in gc.info["chunk_rows"]["regions"] if r["kind"] == "blocks"]
+    if fn is softmax_over_queries:  # the heads are independent still: blocks of heads
+        assert [r["axis"] for r in found] in ([], [2]), found
+    else:
+        assert not found
     want = jax.jit(jax.value_and_grad(fn))(PARAMS, X)
     assert relative_error(jg.compile(gc)(PARAMS, X), want) < 1e-6
 

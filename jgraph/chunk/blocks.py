@@ -11,11 +11,14 @@ queries, the residual stream) or read whole (keys, values, weights, scalars). A 
 from `iota`s joins the region and is rebuilt per block, its positions offset by the block's
 first one; a mask given as a constant array is sliced per block.
 
-A region is chunked when its blocks read a computed value whole in a contraction (keys or
-values: what the leading-rows regions of `jgraph.chunk.rows` cannot chunk) and it holds a value
-larger than its end and than each input it cuts (the scores). Like a token-wise MLP
-(`jgraph.chunk.interior`) it becomes a forward scan over blocks whose body is a checkpoint
-region that saves nothing: the backward loop recomputes each block's scores.
+A region is chunked when it holds a value larger than its end and than each input it cuts (the
+scores). Its block axis is the queries' when the blocks read keys and values whole (what the
+leading-rows regions of `jgraph.chunk.rows` cannot chunk), or the examples' when a batch has at
+least as many as the chunks asked for: a block of whole examples contracts as many rows as the
+whole attention does, where a block of a few queries runs thin, slow contractions (the scanned
+LM of `bench_max_batch` at batch 132 in 127 blocks of one query: 4.2x JAX's time per example).
+Like a token-wise MLP (`jgraph.chunk.interior`) it becomes a forward scan over blocks whose body
+is a checkpoint region that saves nothing: the backward loop recomputes each block's scores.
 """
 
 from __future__ import annotations
@@ -65,10 +68,14 @@ def _nbytes(v) -> int:
     return math.prod(v.aval.shape) * v.aval.dtype.itemsize
 
 
-def block_regions(graph: Graph, exclude=frozenset(), constants=None) -> list[Blocks]:
+def block_regions(graph: Graph, exclude=frozenset(), constants=None,
+                  chunks: int = 1) -> list[Blocks]:
     """Disjoint block regions of forward `graph`, none holding an eqn of `exclude`. A value
     read whole counts as keys when computed, or a data input not in `constants` (by default
-    the inputs that are not data: params)."""
+    the inputs that are not data: params). Of a region's block axes, one at least `chunks`
+    long is taken first, then one whose blocks read no computed value whole (the examples of
+    a batch: each block's contractions as wide as the whole's, its keys cut into blocks too,
+    where blocks of queries contract a few rows at a time), then the one holding most eqns."""
     position = {e: i for i, e in enumerate(graph.eqns)}
     producer = {v: e for e in graph.eqns for v in e.outputs}
     readers = readers_of(graph)
@@ -85,12 +92,19 @@ def block_regions(graph: Graph, exclude=frozenset(), constants=None) -> list[Blo
                 continue
             region = _grow(graph.eqns, end, axis, taken, position, producer, readers, outputs,
                            params)
-            if region is not None and (best is None or len(region.eqns) > len(best.eqns)):
+            if region is not None and (best is None or _rank(region, n, chunks)
+                                       > _rank(best, end.outputs[0].aval.shape[best.axis],
+                                               chunks)):
                 best = region
         if best is not None:
             found.append(best)
             taken.update(best.eqns)
     return found
+
+
+def _rank(region: Blocks, length: int, chunks: int) -> tuple:
+    """How `block_regions` prefers a region of an end's block axis of `length` positions."""
+    return length >= chunks, not region.reads_whole, len(region.eqns)
 
 
 def _ends(graph: Graph, readers, params) -> set[Eqn]:
@@ -168,10 +182,7 @@ def _grow(eqns, end, axis, taken, position, producer, readers, outputs,
 
 
 def _worth(region: Blocks) -> bool:
-    """Its blocks read a computed value whole in a contraction, and it holds a value larger
-    than its end and each input it cuts."""
-    if not region.reads_whole:
-        return False
+    """It holds a value larger than its end and each input it cuts (the scores)."""
     largest = max(_nbytes(v) for e in region.eqns for v in e.outputs)
     cut = [_nbytes(v) for v, _ in region.sliced if type(v) is Var]
     return largest > max([_nbytes(region.end.outputs[0])] + cut)

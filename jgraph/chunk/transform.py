@@ -140,7 +140,7 @@ def _network(forward: Graph, exclude, chunks: int, attention: bool, loops: bool,
     regions = interior_regions(forward, exclude)
     taken = set(exclude) | {e for r in regions for e in r.eqns}
     constants = set(forward.inputs) if computed else None
-    blocks = block_regions(forward, taken, constants) if attention else []
+    blocks = block_regions(forward, taken, constants, chunks) if attention else []
     forward, found = chunk_interior(forward, regions, chunks)
     forward, more = chunk_blocks(forward, blocks, chunks)
     found += more
