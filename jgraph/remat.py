@@ -174,14 +174,16 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
         results = [_attempt(graph, budget, planner, finish, reference, calibrated_by=unplanned)]
         if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
                 and results[0][1] is None):
-            # the head and the token-wise MLPs in chunks; then attention over blocks of queries
-            # and the regions inside the loops' bodies too, which can cost more than they save;
-            # then all of them over more chunks, each count only while nothing fits with fewer
-            # (a chunk's contractions thinner, slower: the fewest chunks that fit are taken)
+            # the head and the token-wise MLPs in chunks; then attention in blocks and the
+            # regions inside the loops' bodies too, while every plan that fits recomputes (a
+            # chunk of whole examples costs less time than recomputing a layer); then all of
+            # them over more chunks, each count only while nothing fits with fewer (a chunk's
+            # contractions thinner, slower: the fewest chunks that fit are taken)
             found = 0
             for count, more in _chunk_attempts(chunks):
-                if more and any(_fits(r) for r in results):
-                    break  # (planned only when nothing fits without them)
+                if more and (any(_fits(r) and not _recomputes(r) for r in results)
+                             or count > chunks and any(_fits(r) for r in results)):
+                    break  # (planned only when they may save time or memory)
                 chunked = _chunked(graph, count, more)
                 if chunked is None or (count, len(chunked.info["chunk_rows"]["regions"])) \
                         == found:
@@ -229,6 +231,11 @@ def _fits(result) -> bool:
     model ranked, waiting for its compile: `jgraph.planner.least.pooled`)."""
     return result[0] is not None and result[1] is None \
         and result[0].info["remat"].get("confirmed") != "pooled"
+
+
+def _recomputes(result) -> bool:
+    """Whether an attempt's plan recomputes values (`_attempt`'s tuple)."""
+    return bool(result[0].info["remat"].get("recompute_flops"))
 
 
 def _least_pooled(pool):

@@ -496,3 +496,25 @@ def test_a_budget_eight_chunks_miss_is_met_with_the_fewest_more_chunks_that_fit(
                  rtol=1e-5)
     with pytest.raises(TransformError, match=r"chunks=128\)"):
         jg.remat(gb, budget=more // 2)
+
+
+def test_a_plan_that_fits_without_recompute_in_blocks_of_examples_is_taken_over_recompute():
+    """A scanned LM (2 layers, batch 16) under a budget halfway between its unplanned temp and
+    its temp with the head, the token-wise MLPs and attention chunked (blocks of examples,
+    inside the scan's body): recomputing the layers' bodies fits too (the old choice), but
+    recompute costs more time than blocks of whole examples, so `jg.remat` tries the blocks
+    while every plan that fits recomputes and takes the one that recomputes nothing."""
+    from benchmarks.bench_planner import scanned_lm, scanned_lm_args
+
+    params, tokens = scanned_lm_args(layers=2, d=64, seq=128, batch=16, vocab=512)
+    loss = scanned_lm()
+    gb = jg.backward(jg.trace(loss, params, tokens, param_argnums=0))
+    chunked = jg.chunk_rows(gb, chunks=8)
+    assert {r["kind"] for r in chunked.info["chunk_rows"]["regions"]} >= {"blocks", "head"}
+    budget = (jg.compiled_memory(chunked).temp_bytes + jg.compiled_memory(gb).temp_bytes) // 2
+    gr = jg.remat(gb, budget=budget)
+    report = gr.info["remat"]
+    assert report["xla_temp"] <= budget and report["recompute_flops"] == 0, report["plan"]
+    assert [r["axis"] for r in report["chunked"] if r["kind"] == "blocks"] == [0]
+    assert_close(jg.compile(gr)(params, tokens),
+                 jax.jit(jax.value_and_grad(loss))(params, tokens), rtol=1e-5)
