@@ -272,7 +272,7 @@ def _small_chunks(regions) -> bool:
     """Does one of `regions` (`info["chunk_rows"]["regions"]`) run over chunks of fewer than
     `SMALL_CHUNK_ROWS` rows?"""
     for region in regions:
-        if region["kind"] == "blocks":  # (its rows are its end's shape; tried last anyway)
+        if region["kind"] == "blocks":  # (its rows are its end's shape, features included)
             continue
         rows = region["rows"]
         per_chunk = math.prod(rows) // rows[region["axis"]] * region["chunk_rows"]

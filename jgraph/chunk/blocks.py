@@ -86,25 +86,15 @@ def block_regions(graph: Graph, exclude=frozenset(), constants=None,
     for end in sorted(_ends(graph, readers, params), key=position.get, reverse=True):
         if end in taken or has_effects(end):
             continue
-        best = None
-        for axis, n in enumerate(end.outputs[0].aval.shape):
-            if n < 2:
-                continue
-            region = _grow(graph.eqns, end, axis, taken, position, producer, readers, outputs,
-                           params)
-            if region is not None and (best is None or _rank(region, n, chunks)
-                                       > _rank(best, end.outputs[0].aval.shape[best.axis],
-                                               chunks)):
-                best = region
-        if best is not None:
+        grown = [(region, n) for axis, n in enumerate(end.outputs[0].aval.shape) if n >= 2
+                 and (region := _grow(graph.eqns, end, axis, taken, position, producer,
+                                      readers, outputs, params)) is not None]
+        if grown:  # (the first of equals: the earliest axis)
+            best = max(grown, key=lambda g: (g[1] >= chunks, not g[0].reads_whole,
+                                             len(g[0].eqns)))[0]
             found.append(best)
             taken.update(best.eqns)
     return found
-
-
-def _rank(region: Blocks, length: int, chunks: int) -> tuple:
-    """How `block_regions` prefers a region of an end's block axis of `length` positions."""
-    return length >= chunks, not region.reads_whole, len(region.eqns)
 
 
 def _ends(graph: Graph, readers, params) -> set[Eqn]:
