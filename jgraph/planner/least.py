@@ -18,7 +18,7 @@ from jgraph.planner.report import peak, reported
 from jgraph.target import current
 
 LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage
-SMALL_STEP = 2**20  # (and every hand arrangement, on a step of less temp: `least_plan`)
+SMALL_STEP = 2**16  # (and every hand arrangement, on a step of less temp: `least_plan`)
 
 
 @dataclasses.dataclass
@@ -61,10 +61,12 @@ def least_plan(plain: Graph, smallest: list, report: dict, budget: str, tried: d
     lowers it), with a `BudgetWarning` naming both figures. On the model, the `LEAST_COMPILED`
     plans it puts least (the hand arrangements among the candidates) are compiled, and the
     least compiled is returned: two compiles, not one per candidate; on a step of less than
-    `SMALL_STEP` of temp, where each buffer is a few alignments and the model ranks loosely
-    (and a compile takes milliseconds), every hand arrangement too. A byte budget is a hard
-    limit (the memory a device has) and is an error instead; a percentage is a share of this
-    graph's own temp, which on a small graph (parameters and gradients alone) nothing lowers.
+    `SMALL_STEP` of temp, where each buffer is a few alignments and the model ranks loosely,
+    every hand arrangement of the step as given too (not of its chunked attempts: a
+    transformer block of 0.6 MB compiled 29 plans, 0.5 s each, for one least plan). A byte
+    budget is a hard limit (the memory a device has) and is an error instead; a percentage is
+    a share of this graph's own temp, which on a small graph (parameters and gradients alone)
+    nothing lowers.
     Inside `pooled()` the compiles wait for `least_of`."""
     if not validate.on_the_model():
         return _least_found(Least(plain, smallest, report, budget, tried, started), smallest,
@@ -84,17 +86,16 @@ def least_plan(plain: Graph, smallest: list, report: dict, budget: str, tried: d
 def least_of(pool: list[Least]) -> Graph:
     """The least plan of the searches in `pool` (`pooled`), the first of which is the step as
     given: the `LEAST_COMPILED` distinct plans the model puts least over all of them (and every
-    hand arrangement of a search whose step has less than `SMALL_STEP` of temp) compiled, on
+    hand arrangement of the first, where its step has less than `SMALL_STEP` of temp) compiled, on
     TPU at the budget's size, and the least compiled returned (`least_plan`), or the step without a
     plan where none lowers it."""
     first = pool[0]
     everything = _distinct(sorted(((p, c, f, least) for least in pool
                                    for p, c, f in least.ranked), key=_model_order))
     chosen = everything[:LEAST_COMPILED]
-    for least in pool:
-        if least.report["no_remat_temp"] < SMALL_STEP:
-            chosen += [s for s in everything[LEAST_COMPILED:]
-                       if s[3] is least and s[0].label.startswith(HAND)]
+    if first.report["no_remat_temp"] < SMALL_STEP:
+        chosen += [s for s in everything[LEAST_COMPILED:]
+                   if s[3] is first and s[0].label.startswith(HAND)]
     modelled = {id(c): f for _, c, f, _ in chosen}
     modelled[id(first.plain)] = first.report.get("finished_temp", first.report["no_remat_temp"])
     budget = first.report["budget"]
