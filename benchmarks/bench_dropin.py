@@ -18,7 +18,10 @@ With `--jit` (issue 40's bar): the first call of the whole step under `jg.jit` (
 step's graph, its plan under the budget, compile, one step) against `jax.jit`'s first call of the
 same step with `jax.value_and_grad` (the unplanned step), interleaved medians of fresh steps: no
 budget (bar <= 1.1) and `budget="50%"` (bar <= 3), on the MLP, the transformer block and the
-scanned 8-layer LM of `bench_planner` (vocab 4096: loop modes and fused updates planned).
+scanned 8-layer LM of `bench_planner` (vocab 4096: loop modes and fused updates planned). The
+fresh steps of one process share jgraph's figure cache (a plan's compiles are served from it
+after the first), so each is also timed in a new process, every cache cold: the user's first
+call.
 
     python -m benchmarks.bench_dropin --jit [--quick]
 """
@@ -169,6 +172,38 @@ def jit_first_call_rows(name, loss, params, x, quick) -> list[dict]:
             for k, label, bar in (("jg", ", no budget", 1.1), ("jg 50%", ", budget 50%", 3))]
 
 
+def cold_jit_rows(index, quick) -> list[dict]:
+    """The first call of `jit_first_call_rows` in a new process (every cache cold, jgraph's
+    figures and plans included): each child times one first call of one library and budget."""
+    setups = {"jax": "jax.jit, jax.value_and_grad", "jg": "jg.jit, jg.value_and_grad",
+              "jg 50%": "jg.jit, jg.value_and_grad, budget='50%'"}
+
+    def child(setup):
+        code = (f"import time, warnings, jax; import jgraph as jg; "
+                f"from benchmarks.bench_dropin import *; "
+                f"warnings.simplefilter('ignore'); "
+                f"name, loss, params, x = jit_models({quick})[{index}]; "
+                f"step = jit_step({setup}, loss); opt = TX.init(params); "
+                f"start = time.perf_counter(); "
+                f"jax.block_until_ready(step(params, opt, x)[2]); "
+                f"print(time.perf_counter() - start)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parent.parent)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    times = {k: [] for k in setups}
+    for _ in range(1 if quick else 3):
+        for k, setup in setups.items():
+            times[k].append(child(setup))
+    t = {k: float(np.median(v)) for k, v in times.items()}
+    name = jit_models(quick)[index][0]
+    return [{"benchmark": f"jg.jit first call{label}, new process: {name}",
+             "jgraph": f"{t[k]:.3f} s", "reference": f"{t['jax']:.3f} s",
+             "ratio": t[k] / t["jax"],
+             "note": f"as above, every cache cold (a child process per figure); bar <= {bar}"}
+            for k, label, bar in (("jg", ", no budget", 1.1), ("jg 50%", ", budget 50%", 3))]
+
+
 def jit_models(quick):
     from benchmarks.bench_planner import scanned_lm, scanned_lm_args
 
@@ -201,8 +236,9 @@ if __name__ == "__main__":
     start = time.perf_counter()
     quick = "--quick" in sys.argv
     if "--jit" in sys.argv:
-        print(format_table([row for model in jit_models(quick)
-                            for row in jit_first_call_rows(*model, quick)]))
+        print(format_table([row for index, model in enumerate(jit_models(quick))
+                            for row in jit_first_call_rows(*model, quick)
+                            + cold_jit_rows(index, quick)]))
     else:
         print(format_table(rows(quick)))
     print(f"# {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -227,7 +227,7 @@ def backward(graph: Graph, *, loop_policy=None) -> Graph:
         The joint `Graph`: the forward eqns, then the backward eqns (tagged `backward`); its
         outputs are the loss (and aux) and one `grad` per param. `jg.compile` of it equals
         `jax.value_and_grad(fn, param_argnums, has_aux)`. It records its forward graph as
-        `info["backward_of"]`.
+        `info["backward_of"]` (and a `loop_policy` as `info["loop_policy"]`).
 
     Raises:
         TransformError: no params, a loss that is not a floating scalar, or an op without a VJP
@@ -260,8 +260,13 @@ def backward(graph: Graph, *, loop_policy=None) -> Graph:
         info={**graph.info, "loss_seed": seed},
     ))
     # What remat needs to re-derive this graph with a policy inside its loops (valid while the
-    # eqns are these).
-    return joint.replace(info={**joint.info, "backward_of": (graph, joint.eqns)})
+    # eqns are these), and the policy it was derived with (a rewrite of the forward, such as
+    # `jg.chunk_rows`'s, derives it again with the same).
+    info = {**joint.info, "backward_of": (graph, joint.eqns)}
+    info.pop("loop_policy", None)
+    if loop_policies:
+        info["loop_policy"] = loop_policies
+    return joint.replace(info=info)
 
 
 def _seed(loss, seeds):

@@ -81,6 +81,27 @@ def test_a_scanned_layers_chunks_leave_the_compiled_temp():
     assert chunked + scores < whole, (chunked, whole)
 
 
+def test_chunks_of_a_graph_derived_with_a_loop_policy_keep_the_policy():
+    """`jg.backward(..., loop_policy=nothing_saveable)` puts the policy inside the scan's body
+    (a planner's "loop bodies keep their inputs" mode): the layer stacks its carry alone.
+    Chunking that graph derives it again from the chunked forward, with the same policy (it
+    was derived without: the body stacked its values as traced again, so the chunked graphs
+    of the policy and of no policy were one program)."""
+    tokens = jnp.asarray(RNG.integers(0, V, (4, 65)), jnp.int32)
+    forward = jg.trace(scanned_lm, PARAMS, tokens, param_argnums=0)
+    gb = jg.backward(forward)
+    kept = jg.backward(forward, loop_policy=jax.checkpoint_policies.nothing_saveable)
+    assert kept.info["loop_policy"]
+    plain, chunked = jg.chunk_rows(gb, chunks=4), jg.check(jg.chunk_rows(kept, chunks=4))
+    assert {r.get("in") for r in chunked.info["chunk_rows"]["regions"]} == {None, "scan body"}
+    assert chunked.info["loop_policy"] == kept.info["loop_policy"]
+    temp = {name: jg.compiled_memory(g, PARAMS, tokens).temp_bytes
+            for name, g in (("plain", plain), ("chunked", chunked), ("kept", kept))}
+    assert temp["chunked"] < temp["plain"], temp
+    want = jax.jit(jax.value_and_grad(scanned_lm))(PARAMS, tokens)
+    assert relative_error(jg.compile(chunked)(PARAMS, tokens), want) < 1e-6
+
+
 def checkpointed_mlps(p, x):
     for lp in p:
         x = jax.checkpoint(lambda h, lp: h + jnp.tanh(h @ lp["up"]) @ lp["down"])(x, lp)

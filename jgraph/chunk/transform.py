@@ -108,8 +108,9 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
     if interior:
         forward, found = _network(forward, set(head.eqns if head else ()), chunks, attention,
                                   loops)
-    if found:  # the joint graph derived again from the forward with them in loops
-        graph = backward(forward)
+    if found:  # the joint graph derived again from the forward with them in loops (and with
+        # the policy it was derived with inside its loops: a planner's loop mode)
+        graph = backward(forward, loop_policy=graph.info.get("loop_policy"))
         seed = graph.info["loss_seed"]
         head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
     if head is None:
@@ -202,7 +203,9 @@ def _derive(graph, forward, head: Head, needs, axis, size, n, rest):
     seeds = [(v, ct) for v, ct in head.cts.items() if v in set(pre_vars(pre, forward))]
     seeds += list(zip(wrt_consts, const_cts, strict=True)) + list(zip(wrt_rows, ys, strict=True))
     pre_graph = forward.replace(eqns=tuple(pre))
-    grads_ct, pre_fwd, pre_bwd = reverse_pass(pre_graph, needs, seeds)
+    # (the loops before the head saving what the joint's policy says, as it was derived)
+    grads_ct, pre_fwd, pre_bwd = reverse_pass(pre_graph, needs, seeds,
+                                              graph.info.get("loop_policy", ()))
     g = Builder(tags={"backward"})
     grads = [grads_ct.get(p) or g.call(jnp.zeros_like, p)[0] for p in forward.grad_params()]
     eqns = (list(pre_fwd) + before + scan_eqns + head.post + after + list(pre_bwd) + g.eqns)
