@@ -24,11 +24,11 @@ from jgraph import _jax_internals as internals
 from jgraph.builder import Builder
 from jgraph.check import validate
 from jgraph.errors import TransformError
-from jgraph.ir import Eqn, Graph, Literal, Var, is_float, short_aval, sub_graphs
+from jgraph.ir import Eqn, Graph, Literal, Var, is_float, short_aval
 from jgraph.naming import while_processing
 from jgraph.ops import CUTS_GRADIENT, EFFECTFUL, NON_DIFFERENTIABLE
 from jgraph.passes import dce
-from jgraph.policies import saves
+from jgraph.policies import saves_inside
 
 # -- the rule tables: filled by `jgraph.vjp_rules` (one module per op family), read here -----------
 # op -> rule(cts, ins, outs, **params) -> cotangent per input (or None); see `jgraph.vjp_rules`.
@@ -342,14 +342,6 @@ def linearize(graph: Graph, needs: set, policies=()):
         eqns.append(new)
         linearized[new] = how
     return eqns, linearized
-
-
-def saves_inside(policy, eqn: Eqn) -> bool:
-    """Does `policy` save some eqn of `eqn`'s bodies (nested bodies included)?"""
-    if policy is None:
-        return False
-    return any(saves(policy, e) or saves_inside(policy, e)
-               for sub in sub_graphs(eqn) for e in sub.eqns)
 
 
 def pushed_policies(graph: Graph, eqn: Eqn) -> tuple[tuple, tuple[int, ...]]:

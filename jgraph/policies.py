@@ -20,6 +20,7 @@ from jax import ad_checkpoint as _jax_ad_checkpoint
 
 from jgraph import ops
 from jgraph.errors import TransformError
+from jgraph.ir import sub_graphs
 
 _JAX = _jax_ad_checkpoint.checkpoint_policies
 
@@ -79,6 +80,14 @@ class _OpStandIn:
     """What a policy sees as `prim` for jgraph's own ops, which are not JAX primitives."""
 
     name: str
+
+
+def saves_inside(policy, eqn) -> bool:
+    """Does `policy` save some eqn of `eqn`'s bodies (nested bodies included)?"""
+    if policy is None:
+        return False
+    return any(saves(policy, e) or saves_inside(policy, e)
+               for sub in sub_graphs(eqn) for e in sub.eqns)
 
 
 def saves(policy, eqn) -> bool:

@@ -158,13 +158,24 @@ def _policy_label(policy):
     return None if policy is None else policies.policy_name(policy)
 
 
-def with_whole_forward_region(graph: Graph, policy) -> Graph:
-    """The graph with one more outermost region, with `policy`, holding every forward eqn."""
+def with_whole_forward_region(graph: Graph, policy, loops: bool = False) -> Graph:
+    """The graph with one more outermost region, with `policy`, holding every forward eqn but
+    the loops and conds (the policy was applied inside their bodies when their backward was
+    built); with `loops`, also each of them whose bodies the policy saves nothing of, which the
+    region then recomputes whole, as a checkpoint region saving nothing inside does
+    (`jgraph.backward.pushed_policies`): a loop body's policy, the body holding loops of its
+    own (a scanned layer's attention in blocks), so that the layer's backward recomputes what
+    they stack instead of the outer loop stacking it for every layer."""
     whole = max((r.id for r in graph.regions), default=-1) + 1
     regions = (Region(whole, None, policy, True, "remat(policy=...)"),) + tuple(
         dataclasses.replace(r, parent=whole) if r.parent is None else r for r in graph.regions)
-    eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions)
-                 if is_forward(e) and e.op not in LOOPS else e for e in graph.eqns)
+
+    def inside(e: Eqn) -> bool:
+        return is_forward(e) and (e.op not in LOOPS
+                                  or (loops and not policies.saves_inside(policy, e)))
+
+    eqns = tuple(dataclasses.replace(e, regions=(whole,) + e.regions) if inside(e) else e
+                 for e in graph.eqns)
     return graph.replace(eqns=eqns, regions=regions)
 
 

@@ -86,7 +86,9 @@ def test_chunks_of_a_graph_derived_with_a_loop_policy_keep_the_policy():
     (a planner's "loop bodies keep their inputs" mode): the layer stacks its carry alone.
     Chunking that graph derives it again from the chunked forward, with the same policy (it
     was derived without: the body stacked its values as traced again, so the chunked graphs
-    of the policy and of no policy were one program)."""
+    of the policy and of no policy were one program), and the loops over chunks inside the
+    layer's body are recomputed in its backward with the rest of it (they stood outside the
+    policy's region: the layer stacked what they stack, the blocks of every layer)."""
     tokens = jnp.asarray(RNG.integers(0, V, (4, 65)), jnp.int32)
     forward = jg.trace(scanned_lm, PARAMS, tokens, param_argnums=0)
     gb = jg.backward(forward)
@@ -95,6 +97,10 @@ def test_chunks_of_a_graph_derived_with_a_loop_policy_keep_the_policy():
     plain, chunked = jg.chunk_rows(gb, chunks=4), jg.check(jg.chunk_rows(kept, chunks=4))
     assert {r.get("in") for r in chunked.info["chunk_rows"]["regions"]} == {None, "scan body"}
     assert chunked.info["loop_policy"] == kept.info["loop_policy"]
+    layers = [e for e in chunked.eqns if e.op == "scan" and "backward" not in e.tags
+              and e.params["length"] == L]
+    assert [v.aval.shape for e in layers for v in e.outputs[e.params["num_carry"]:]] == [
+        (L, *tokens[:, 1:].shape, D)]  # the layer input (its carry), nothing of the blocks
     temp = {name: jg.compiled_memory(g, PARAMS, tokens).temp_bytes
             for name, g in (("plain", plain), ("chunked", chunked), ("kept", kept))}
     assert temp["chunked"] < temp["plain"], temp

@@ -161,7 +161,7 @@ def joint_body(body: Graph, wrt, with_ct, policies=()) -> Graph:
     joint = vjp_graph(body, wrt, with_ct, loop_policies=policies)
     if (body.regions or policies) and any("backward" in e.tags for e in joint.eqns):
         for policy in reversed(policies):
-            joint = with_whole_forward_region(joint, policy)
+            joint = with_whole_forward_region(joint, policy, loops=True)
         joint = apply_regions(joint, body_outputs=len(body.outputs))
     return joint
 
