@@ -118,18 +118,25 @@ def first_call_row(name, loss, params, x, quick) -> dict:
                     "bar <= 1.3"}
 
 
+def _seconds_in_child(setup: str, call: str) -> float:
+    """Seconds of `call` (an expression, blocked on) in a new Python process, after `setup`
+    (statements run with this module's names, warnings silenced)."""
+    code = (f"import time, warnings, jax; import jgraph as jg; "
+            f"from benchmarks.bench_dropin import *; warnings.simplefilter('ignore'); "
+            f"{setup}; start = time.perf_counter(); jax.block_until_ready({call}); "
+            f"print(time.perf_counter() - start)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def cold_first_call_row(index, quick) -> dict:
     """The first call in a new process: each child times one first call of one library."""
     def child(library):
-        code = (f"import time, jax; from benchmarks.bench_dropin import *; "
-                f"name, loss, params, x = models({quick})[{index}]; "
-                f"vg = {library}.value_and_grad; step = make_step(vg, loss); "
-                f"opt = TX.init(params); start = time.perf_counter(); "
-                f"jax.block_until_ready(step(params, opt, x)); "
-                f"print(time.perf_counter() - start)")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).parent.parent)
-        return float(out.stdout.strip().splitlines()[-1])
+        return _seconds_in_child(
+            f"name, loss, params, x = models({quick})[{index}]; "
+            f"vg = {library}.value_and_grad; step = make_step(vg, loss); "
+            f"opt = TX.init(params)", "step(params, opt, x)")
 
     times = {"jg": [], "jax": []}
     for _ in range(1 if quick else 3):
@@ -179,17 +186,10 @@ def cold_jit_rows(index, quick) -> list[dict]:
               "jg 50%": "jg.jit, jg.value_and_grad, budget='50%'"}
 
     def child(setup):
-        code = (f"import time, warnings, jax; import jgraph as jg; "
-                f"from benchmarks.bench_dropin import *; "
-                f"warnings.simplefilter('ignore'); "
-                f"name, loss, params, x = jit_models({quick})[{index}]; "
-                f"step = jit_step({setup}, loss); opt = TX.init(params); "
-                f"start = time.perf_counter(); "
-                f"jax.block_until_ready(step(params, opt, x)[2]); "
-                f"print(time.perf_counter() - start)")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).parent.parent)
-        return float(out.stdout.strip().splitlines()[-1])
+        return _seconds_in_child(
+            f"name, loss, params, x = jit_models({quick})[{index}]; "
+            f"step = jit_step({setup}, loss); opt = TX.init(params)",
+            "step(params, opt, x)[2]")
 
     times = {k: [] for k in setups}
     for _ in range(1 if quick else 3):
