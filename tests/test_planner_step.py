@@ -226,8 +226,10 @@ def test_the_planning_time_reported_covers_every_attempt(monkeypatch):
 def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
     """The loss head over chunks of rows is planned in every loop mode: a scanned residual MLP
     under a wide head meets a budget below what the chunked head reaches with the scan as
-    traced, keeping every k-th carry of the chunked graph (before, a chunked graph was planned
-    with its loops as traced only)."""
+    traced, in a loop mode of the chunked graph: its bodies keeping their inputs, or its scans
+    split or keeping every k-th carry (before, a chunked graph was planned with its loops as
+    traced only; and until the chunked graph kept the mode's loop policy, only the modes that
+    rewrite the scan itself met it)."""
     k = jax.random.split(jax.random.PRNGKey(3), 4)
     params = {"ws": jax.random.normal(k[0], (8, 64, 64)) * 64**-0.5,
               "out": jax.random.normal(k[1], (64, 4096)) * 64**-0.5}
@@ -245,7 +247,8 @@ def test_a_scanned_model_gets_its_scan_modes_with_the_loss_head_in_chunks():
         gr = jg.remat(gb, budget=budget)
     jg.check(gr)
     info = gr.info["remat"]
-    assert info["chunked"] and "scans" in info["plan"], info["plan"]
+    assert info["chunked"] and ("scans" in info["plan"]
+                                or "loop bodies keep their inputs" in info["plan"]), info["plan"]
     assert xla_temp(gr) <= budget < as_traced
     got, want = jg.compile(gr)(params, x, y), jax.value_and_grad(scanned)(params, x, y)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
