@@ -182,13 +182,13 @@ def jit_first_call_rows(name, loss, params, x, quick) -> list[dict]:
 def cold_jit_rows(index, quick) -> list[dict]:
     """The first call of `jit_first_call_rows` in a new process (every cache cold, jgraph's
     figures and plans included): each child times one first call of one library and budget."""
-    setups = {"jax": "jax.jit, jax.value_and_grad", "jg": "jg.jit, jg.value_and_grad",
-              "jg 50%": "jg.jit, jg.value_and_grad, budget='50%'"}
+    setups = {"jax": "jax.jit, jax.value_and_grad, loss", "jg": "jg.jit, jg.value_and_grad, loss",
+              "jg 50%": "jg.jit, jg.value_and_grad, loss, budget='50%'"}
 
     def child(setup):
         return _seconds_in_child(
             f"name, loss, params, x = jit_models({quick})[{index}]; "
-            f"step = jit_step({setup}, loss); opt = TX.init(params)",
+            f"step = jit_step({setup}); opt = TX.init(params)",
             "step(params, opt, x)[2]")
 
     times = {k: [] for k in setups}
