@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import jgraph as jg
+from jgraph.fuse import without_grads
 from jgraph.planner.search import problems, xla_temp
 
 LAYERS, WIDTH, BATCH = 8, 64, 512
@@ -280,3 +281,28 @@ def test_small_chunks_are_planned_only_when_nothing_else_fits(monkeypatch):
     got, want = jg.compile(gr)(params, x), jax.value_and_grad(unet_mlp)(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_step_planned_without_its_grads_is_calibrated_on_the_step_that_runs(count_compiles):
+    """A step returning no gradients (`without_grads`, as `jg.jit` and `jg.Optimizer` plan it)
+    under a percentage a plan meets: the model is calibrated on the step as it runs (the one the
+    percentage is of, and its fused twin where the updates move), so beside those two compiles
+    only the plan returned is compiled (the joint graph with its gradients was compiled for the
+    calibration too: four)."""
+    ws, x = setup()
+    tx = optax.adam(1e-3)
+    go = jg.optimizer_step(jg.backward(jg.trace(loss, ws, x, param_argnums=0)), tx)
+    step = without_grads(go)
+    compiles = count_compiles()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jg.BudgetWarning)
+        gr = jg.remat(step, budget="50%")
+    assert gr.info["remat"]["confirmed"] == "compiled"
+    assert len(compiles) == 3, len(compiles)
+    assert jg.compiled_memory(gr).budget_bytes <= gr.info["remat"]["budget"]
+    state = tx.init(ws)
+    got = jg.compile(gr)(ws, x, state)
+    want = reference_step(tx, ws, x, state)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[-2:]), jax.tree.leaves(want[1:]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -163,7 +163,9 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
     `calibrated_by`: the unplanned graph whose compile calibrates the model (`_confirmed`), when
     `graph` is planned as a rewrite of it: the rewrite is predicted from that one compile
     (the values it shares follow XLA's decisions there), not compiled for a calibration of its
-    own."""
+    own. With `finish`, the model is calibrated on the unplanned graph finished, the step as it
+    runs: the graphs it predicts are finished too, and that step is compiled already (the
+    percentage's reference, the fused updates' decision), so calibrating costs no compile."""
     started, validate.seconds = time.perf_counter(), 0.0
     if planner not in PLANNERS:
         raise TransformError(f"remat(planner={planner!r}): the planner is one of {PLANNERS}")
@@ -267,7 +269,10 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
                          len(tried) - 1, recompute_flops(candidate), started)
 
     with validate.at_budget(target):  # on TPU: a graph compiled at the budget's size
-        return _confirmed(search, plain if calibrated_by is None else calibrated_by, target)
+        calibrating = plain if calibrated_by is None else calibrated_by
+        if finish is not None:  # the step as it runs, as every graph the model predicts is
+            calibrating = finish(calibrating)  # (compiled already: the budget's reference)
+        return _confirmed(search, calibrating, target)
 
 
 def _confirmed(search, plain: Graph, target: int) -> Graph:
