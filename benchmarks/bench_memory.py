@@ -24,8 +24,11 @@ of `reference/tpu-figures.md` (d 1024, batch 4096 and 16384) and the scanned LM 
     python -m benchmarks.bench_memory --target cpu|tpu [--quick] [--all] [--models NAME,...]
 
 `--all` on TPU adds `bench_planner`'s models, the unseen graphs and the real-model suite (their
-plans as on CPU, the planner's at 50 %): about two hours of compiles. `--models` keeps the models
-named by the comma-separated words or whose name contains one (a long run resumed where it stopped).
+plans as on CPU, the planner's at 50 %): about two hours of compiles. On CPU (and on TPU with
+`--all`) training steps as jgraph builds them come last: a scanned MLP's adam step, alone and
+accumulating over a period, unfused and with its updates fused, and the planner's plans of them.
+`--models` keeps the models named by the comma-separated words or whose name contains one (a
+long run resumed where it stopped).
 """
 
 from __future__ import annotations
@@ -361,12 +364,52 @@ def target_rows(platform: str, quick: bool = False, everything: bool = False,
                 warnings.simplefilter("ignore")
                 plans[f"jg.remat(budget={budget!r})"] = jg.remat(plain, budget=budget,
                                                                  target=target)
-        for plan_name, graph in plans.items():
-            started = time.perf_counter()
-            predicted = jg.memory(graph, target=target, unplanned=plain).peak_bytes
-            took = time.perf_counter() - started
-            compiled = jg.compiled_memory(graph, target=target).budget_bytes
-            yield name, plan_name, predicted, compiled, took
+        yield from _predicted(name, plain, plans, target)
+    for name, (plain, plans) in _steps().items() if platform == "cpu" or everything else ():
+        if models and not any(m == name or m in name for m in models):
+            continue
+        for budget in budgets:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plans[f"jg.remat(budget={budget!r})"] = jg.remat(plain, budget=budget,
+                                                                 target=target)
+        yield from _predicted(name, plain, plans, target)
+
+
+def _predicted(name: str, plain, plans: dict, target):
+    """(model, plan, predicted, compiled, seconds predicting) of each plan of `plain`."""
+    for plan_name, graph in plans.items():
+        started = time.perf_counter()
+        predicted = jg.memory(graph, target=target, unplanned=plain).peak_bytes
+        took = time.perf_counter() - started
+        compiled = jg.compiled_memory(graph, target=target).budget_bytes
+        yield name, plan_name, predicted, compiled, took
+
+
+def _steps():
+    """{name: (the step as it runs, {plan: step})} of training steps as jgraph builds them: a
+    16-layer scanned MLP's adam step (`jg.optimizer_step`), alone and accumulating over 2
+    micro-steps (`jg.accumulate`), its gradients left out as `jg.jit` and `jg.Optimizer` leave
+    them, unfused and with every update fused into the backward scan (`jg.fuse_updates`)."""
+    from jgraph.fuse import without_grads
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    ws = jax.random.normal(k1, (16, 128, 128)) * 128**-0.5
+    x = jax.random.normal(k2, (64, 128))
+
+    def chain(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h**2)
+
+    joint = jg.backward(jg.trace(chain, ws, x, param_argnums=0))
+    found = {}
+    for name, step in (("scan16 adam step", jg.optimizer_step(joint, optax.adam(1e-3))),
+                       ("scan16 adam step, period 2", jg.optimizer_step(
+                           jg.accumulate(joint, 2, "sum"), optax.adam(1e-3)))):
+        plain = without_grads(step)
+        found[name] = (plain, {"no remat": plain,
+                               "updates fused": jg.fuse_updates(step, keep_grads=False)})
+    return found
 
 
 def print_target_rows(platform: str, quick: bool, everything: bool = False,

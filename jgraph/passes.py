@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from jgraph.ir import Graph, Var
+from jgraph.ir import Eqn, Graph, Var
 from jgraph.ops import has_effects
 
 
@@ -22,6 +22,20 @@ def dce(graph: Graph) -> Graph:
     if len(kept) == len(graph.eqns):
         return graph
     return graph.replace(eqns=tuple(reversed(kept)))
+
+
+def without_unused_ys(eqn: Eqn, live: set) -> Eqn:
+    """A scan without the stacked outputs nobody reads (`live`: the vars read after it), its
+    body no longer computing them, as XLA's while-loop simplifier drops a loop's dead outputs."""
+    p = eqn.params
+    nk, body = p["num_carry"], p["body"]
+    keep = [j for j, v in enumerate(eqn.outputs[nk:]) if v in live]
+    if len(keep) == len(eqn.outputs) - nk:
+        return eqn
+    outs = body.outputs[:nk] + tuple(body.outputs[nk + j] for j in keep)
+    body = dce(body.replace(outputs=outs, output_roles=("aux",) * len(outs)))
+    ys = tuple(eqn.outputs[nk + j] for j in keep)
+    return dataclasses.replace(eqn, outputs=eqn.outputs[:nk] + ys, params={**p, "body": body})
 
 
 def cse(graph: Graph) -> Graph:

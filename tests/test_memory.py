@@ -12,6 +12,7 @@ import pytest
 
 import jgraph as jg
 from benchmarks.bench_remat import block_args, blocks, chain, chain_args, jax_step
+from jgraph.fuse import without_grads
 from jgraph.memory import donated_step
 from jgraph.memory import estimate as estimate_module
 
@@ -255,3 +256,41 @@ def test_the_estimate_leaves_the_collector_on_and_a_programs_freeze_alone(monkey
         assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
+
+
+def scanned_chain(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.mean(h**2)
+
+
+def scanned_chain_args(layers=16, width=128, batch=64):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return (jax.random.normal(k1, (layers, width, width)) * width**-0.5,
+            jax.random.normal(k2, (batch, width)))
+
+
+def test_a_periods_stacked_gradient_takes_the_copied_params_allocation():
+    """A 16-layer scanned MLP's adam step accumulating over a period of 2. XLA copies the
+    donated params first (both scans read them; the update writes over them), and the zeros the
+    backward scan stacks its gradients into are made after that copy (a kernel reading only
+    constants joins XLA's queue after the parameters' readers) in the params' freed allocation,
+    where the scan then writes the gradients in place. Simulated, the zeros were made first and
+    the scan's stack was a buffer of its own: 58 % over XLA's temp."""
+    args = scanned_chain_args()
+    step = jg.optimizer_step(jg.accumulate(joint(scanned_chain, *args), 2, "sum"),
+                             optax.adam(1e-3))
+    assert jg.memory(step).peak_bytes == pytest.approx(
+        jg.compiled_memory(step).temp_bytes, rel=0.01)
+
+
+def test_a_scans_stacked_output_nothing_reads_is_no_buffer():
+    """A fused step whose gradients are left out after fusing: the backward scan still stacks
+    them, and nothing reads the stack. XLA drops that output of the loop, so the step compiles
+    to the same temp as the step fused without its gradients, and is simulated so (the stack was
+    simulated, 1 MiB more: 2.07 MB against XLA's 0.92)."""
+    args = scanned_chain_args()
+    step = jg.optimizer_step(joint(scanned_chain, *args), optax.adam(1e-3))
+    left_out = jg.fuse_updates(step, keep_grads=False)
+    after = without_grads(jg.fuse_updates(step))
+    assert jg.compiled_memory(after).temp_bytes == jg.compiled_memory(left_out).temp_bytes
+    assert jg.memory(after).peak_bytes == jg.memory(left_out).peak_bytes

@@ -47,7 +47,7 @@ from jgraph.errors import TransformError
 from jgraph.fuse.slices import SLICE, STATE_OF, slice_form, sliced
 from jgraph.ir import Eqn, Graph, Var, eqn_lines, is_float
 from jgraph.naming import format_eqn
-from jgraph.passes import dce
+from jgraph.passes import dce, without_unused_ys
 
 
 # -- the analysis: update eqns, gradients, and what can move into a scan -----------------------
@@ -329,19 +329,6 @@ def _consts_through_carry(body: Graph, consts, t_in: dict) -> dict:
         if all(e.op == "scan" and "mean_runs" in e.params for e in readers.get(bc, ())):
             found[bc] = t_in[c]
     return found
-
-
-def without_unused_ys(eqn: Eqn, live: set) -> Eqn:
-    """A scan without the stacked outputs nobody reads (its body no longer computes them)."""
-    p = eqn.params
-    nk, body = p["num_carry"], p["body"]
-    keep = [j for j, v in enumerate(eqn.outputs[nk:]) if v in live]
-    if len(keep) == len(eqn.outputs) - nk:
-        return eqn
-    outs = body.outputs[:nk] + tuple(body.outputs[nk + j] for j in keep)
-    body = dce(body.replace(outputs=outs, output_roles=("aux",) * len(outs)))
-    ys = tuple(eqn.outputs[nk + j] for j in keep)
-    return dataclasses.replace(eqn, outputs=eqn.outputs[:nk] + ys, params={**p, "body": body})
 
 
 def schedule(eqns: list, is_update) -> list:

@@ -55,10 +55,12 @@ class Allocation:
 
 
 def _in_place(old: Value, new: Value) -> bool:
-    """`new` is written, in place, by the kernel that reads `old` last."""
+    """`new` is written, in place, by the kernel that reads `old` last (a loop's output over
+    its initial value among them: a scan's stack over the zeros it starts as)."""
     k = new.kernel
     return k is not None and old in k.reads and (
-        shareable(k) or (k.root is not None and k.root.op in IN_PLACE))
+        shareable(k) or (k.root is not None and k.root.op in IN_PLACE)
+        or (new, old) in k.shares)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, ShapedArray, Var
 from jgraph.lower import fusion_cuts, protection_plan
 from jgraph.opkinds import aligned
+from jgraph.passes import without_unused_ys
 
 FUSIBLE = frozenset({"cheap", "expensive", "reduce"})  # may fuse into a consumer
 GROWS = frozenset({"cheap", "expensive", "reduce", "library", "expanded"})  # fuse producers
@@ -129,6 +130,8 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
     tainted: dict[tuple[int, Var], Var] = {}
     cuts = fusion_cuts(graph)
     folds = _scatter_folds(graph)
+    used = {a for e in graph.eqns for a in e.inputs if isinstance(a, Var)}
+    used.update(a for a in graph.outputs if isinstance(a, Var))
     held: dict[Var, tuple] = {}  # a folded scatter's output -> (its eqn, its inputs)
     for eqn in graph.eqns:
         inputs = eqn.inputs
@@ -162,14 +165,16 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if eqn.op in ("gather", "scatter-add", "scatter", "scatter_add") \
                 and opkinds.batched_indices(eqn):
             inputs = _batched_indices(ops, eqn, inputs)
-        if eqn.op == "scan":
-            inputs = tuple(inputs) + _ys_stacks(ops, eqn)
+        params, outputs = eqn.params, eqn.outputs
+        if eqn.op == "scan":  # its stacked outputs nothing reads dropped, as XLA drops them
+            live = without_unused_ys(eqn, used)
+            params, outputs = live.params, live.outputs
+            inputs = tuple(inputs) + _ys_stacks(ops, live)
         copies = COPIES[eqn.op](eqn) if eqn.op in COPIES else ()
         if any(c is not None for c in copies):
             inputs = tuple(_operand_copy(ops, a, eqn, c) if c is not None and isinstance(a, Var)
                            else a
                            for a, c in zip(inputs[:2], copies, strict=True)) + inputs[2:]
-        outputs = eqn.outputs
         predicate = None
         if outputs and outputs[0] in cuts:  # `lax.cond(x[0] < -|x[0]|, zeros, identity, x)`:
             # XLA computes the predicate in a fusion of its own from the value's operands (made
@@ -182,7 +187,7 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
             _emit(ops, Eqn("slice", (element,), {}, (predicate,), eqn.tags, eqn.regions,
                            eqn.source), eqn)
         _emit(ops, eqn if inputs == eqn.inputs and outputs == eqn.outputs else Eqn(
-            eqn.op, inputs, eqn.params, outputs, eqn.tags, eqn.regions, eqn.source), eqn)
+            eqn.op, inputs, params, outputs, eqn.tags, eqn.regions, eqn.source), eqn)
         if predicate is not None:
             _emit(ops, Eqn("materialise", outputs + (predicate,), {}, eqn.outputs, eqn.tags,
                            eqn.regions, eqn.source), eqn)

@@ -2,10 +2,14 @@
 
 XLA:CPU schedules each computation with `BFScheduler` (`hlo_memory_scheduler.cc`; the default
 since `xla_cpu_enable_concurrency_optimized_scheduler` is on): a queue starts with the arguments
-and every instruction without operands; an instruction joins the queue when its last operand
-leaves it, readers in the order they were created. So everything runs as early as its inputs
-allow: a parameter's copy first, each layer's weight gradient and its update as soon as the
-cotangent reaching the layer exists. Here the graph's order stands for XLA's creation order.
+and every instruction without operands (the parameters first, then the constants); an
+instruction joins the queue when its last operand leaves it, readers in the order they were
+created. So a kernel reading constants alone (a zero-filled stack a scan writes its outputs
+into) joins the queue after the kernels the arguments alone made ready (the copy of a donated
+argument): it may then take the argument's allocation, free once copied. So everything runs
+as early as its inputs allow: a parameter's copy first, each layer's weight gradient and its
+update as soon as the cotangent reaching the layer exists. Here the graph's order stands for
+XLA's creation order.
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ def bfs_order(kernels: list[Kernel], arguments: list[Value], results) -> list[Ke
     for rs in readers.values():
         rs.sort(key=creation)
     queue = deque(a for a in arguments)
-    queue.extend(sorted((k for k in kernels if k in live and pending[k] == 0), key=creation))
+    queue.append(_CONSTANTS)  # the constants, after the parameters: their readers
+    readers[_CONSTANTS] = sorted((k for k in kernels if k in live and pending[k] == 0),
+                                 key=creation)
+    for k in readers[_CONSTANTS]:
+        pending[k] = 1
     order = []
     while queue:
         node = queue.popleft()
@@ -43,6 +51,9 @@ def bfs_order(kernels: list[Kernel], arguments: list[Value], results) -> list[Ke
             if pending[r] == 0:
                 queue.append(r)
     return order
+
+
+_CONSTANTS = object()  # stands for the program's constants in XLA's queue (`bfs_order`)
 
 
 def creation(k: Kernel) -> tuple:
