@@ -32,6 +32,16 @@ def setup():
     return ws, jax.random.normal(k3, (BATCH, WIDTH))
 
 
+def assert_steps_like_jax(graph, tx, ws, x):
+    """`graph`'s step (loss, then the new params and optimizer state last) against JAX's."""
+    state = tx.init(ws)
+    got = jg.compile(graph)(ws, x, state)
+    want = reference_step(tx, ws, x, state)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[-2:]), jax.tree.leaves(want[1:]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def reference_step(tx, ws, x, state):
     value, grads = jax.value_and_grad(loss)(ws, x)
     updates, state = tx.update(grads, state, ws)
@@ -59,13 +69,9 @@ def test_a_budget_on_the_whole_step_is_met_and_the_step_is_unchanged():
     jg.check(gr)
     assert gr.info["remat"]["plan"] != "no remat"
     assert xla_temp(gr) <= no_remat // 2
-    state = tx.init(ws)
-    got = jg.compile(gr)(ws, x, state)
-    want = reference_step(tx, ws, x, state)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(got[-2:]), jax.tree.leaves(want[1:]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_steps_like_jax(gr, tx, ws, x)
     # bitwise equal to the unplanned step under the interpreter (DESIGN 4.2)
+    state = tx.init(ws)
     for a, b in zip(jax.tree.leaves(jg.evaluate(gr, ws, x, state)),
                     jax.tree.leaves(jg.evaluate(go, ws, x, state)), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -300,9 +306,4 @@ def test_a_step_planned_without_its_grads_is_calibrated_on_the_step_that_runs(co
     assert gr.info["remat"]["confirmed"] == "compiled"
     assert len(compiles) == 3, len(compiles)
     assert jg.compiled_memory(gr).budget_bytes <= gr.info["remat"]["budget"]
-    state = tx.init(ws)
-    got = jg.compile(gr)(ws, x, state)
-    want = reference_step(tx, ws, x, state)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(got[-2:]), jax.tree.leaves(want[1:]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_steps_like_jax(gr, tx, ws, x)
