@@ -498,6 +498,7 @@ def test_a_budget_eight_chunks_miss_is_met_with_the_fewest_more_chunks_that_fit(
         jg.remat(gb, budget=more // 2)
 
 
+@pytest.mark.extended  # 12-21 s: the default suite keeps its margin under 10 minutes
 def test_a_plan_that_fits_without_recompute_in_blocks_of_examples_is_taken_over_recompute():
     """A scanned LM (2 layers, batch 16) under a budget halfway between its unplanned temp and
     its temp with the head, the token-wise MLPs and attention chunked (blocks of examples,

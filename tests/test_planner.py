@@ -163,6 +163,7 @@ def test_the_least_plan_of_a_step_takes_two_compiles_beyond_the_unplanned(count_
     assert gr.info["remat"]["xla_temp"] <= min(per_layer), (gr.info["remat"], per_layer)
 
 
+@pytest.mark.extended  # 12-21 s: the default suite keeps its margin under 10 minutes
 def test_the_least_plan_over_chunked_attempts_takes_two_compiles(count_compiles):
     """A percentage no plan reaches on a transformer block of 0.6 MB of temp, planned with its
     token-wise MLPs and attention in chunks too (four chunked attempts beside the block as it
