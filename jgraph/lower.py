@@ -410,6 +410,91 @@ def as_function(graph: Graph):
     return fn
 
 
+def donation_order(graph: Graph, donated) -> tuple[int, ...]:
+    """The graph's output positions in the order to hand them to `jax.jit`, so that each donated
+    input's new value is written into that input's buffer: new values first, in their inputs'
+    order, then the other outputs in theirs; the graph's own order where it pairs them so. JAX
+    aliases each result to the first unused donated argument of its shape and dtype, results in
+    order; in the graph's own order a step's accumulators (or its gradients) may come before its
+    params and take their buffers, and XLA then copies each crossed state in and out of a loop
+    that updates it (`donated`: per input)."""
+    index = {v: k for k, v in enumerate(graph.inputs)}
+    updated = graph.updated_inputs()
+    own = list(range(len(graph.outputs)))
+    if _aliased_as_updated(graph, donated, own, updated):
+        return tuple(own)  # (the program XLA compiles stays as the graph has it)
+    paired = sorted((index[v], k) for k, v in enumerate(updated)
+                    if v is not None and donated[index[v]])
+    first = [k for _, k in paired]
+    taken = set(first)
+    return tuple(first + [k for k in own if k not in taken])
+
+
+def _aliased_as_updated(graph: Graph, donated, order, updated) -> bool:
+    """Whether JAX, given the outputs in `order`, aliases each donated input's new value to it."""
+    free: dict = {}
+    for v, d in zip(graph.inputs, donated, strict=True):
+        if d:
+            free.setdefault((v.aval.shape, v.aval.dtype), []).append(v)
+    for k in order:
+        out = graph.outputs[k]
+        queue = free.get((out.aval.shape, out.aval.dtype))
+        if queue:
+            if updated[k] is not None and queue[0] is not updated[k]:
+                return False
+            queue.pop(0)
+    return True
+
+
+class InDonationOrder:
+    """A jitted function returning flat results in `order` (`donation_order`); called, it
+    returns them in their own order, as `restore(list)` makes them (the graph's pytree). Its
+    other attributes (`lower`, ...) are the jitted function's: results in donation order."""
+
+    __slots__ = ("jitted", "order", "restore")
+
+    def __init__(self, jitted, order, restore=list):
+        self.jitted, self.order, self.restore = jitted, order, restore
+
+    def __call__(self, *args):
+        flat = [None] * len(self.order)
+        for k, out in zip(self.order, self.jitted(*args), strict=True):
+            flat[k] = out
+        return self.restore(flat)
+
+    def __getattr__(self, name):  # `lower`, `trace`, `_cache_size`: the jitted function's
+        return getattr(self.jitted, name)
+
+
+def jit_donated(graph: Graph, donate_argnums=(), out_shardings=None, **jit_kwargs):
+    """`jax.jit(as_function(graph), donate_argnums=..., ...)` with each donated input's new value
+    aliased to that input (`donation_order`), called as that jit is."""
+    donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    if graph.in_tree is None:
+        sizes = [1] * len(graph.inputs)
+    else:
+        sizes = [t.num_leaves for t in graph.in_tree.children()]
+    donated = [i in donate_argnums for i, n in enumerate(sizes) for _ in range(n)]
+    order = donation_order(graph, donated)
+    lowering = Lowering()
+
+    def fn(*args):
+        outs = lowering.run(graph, *flatten_args(graph, args))
+        return tuple(outs[k] for k in order)
+
+    fn.__name__ = "jgraph_graph"
+    if out_shardings is not None:  # a prefix of the graph's results: one per flat output
+        unset = object()  # None there leaves a subtree's shardings to JAX; a leaf here
+        marked = jax.tree.map(lambda s: unset if s is None else s, out_shardings,
+                              is_leaf=lambda s: s is None)
+        skeleton = unflatten_outputs(graph, list(range(len(graph.outputs))))
+        flat = [None if s is unset else s
+                for s in jax.tree.leaves(jax.tree.broadcast(marked, skeleton))]
+        jit_kwargs["out_shardings"] = tuple(flat[k] for k in order)
+    return InDonationOrder(jax.jit(fn, donate_argnums=donate_argnums, **jit_kwargs), order,
+                           lambda flat: unflatten_outputs(graph, flat))
+
+
 def compile(graph: Graph, *, in_shardings=None, out_shardings=None,  # noqa: A001 - fixed name
             donate_argnums=(), target=None):
     """`jax.jit` of the graph; arguments and results are pytrees as in the traced function.

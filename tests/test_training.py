@@ -348,3 +348,25 @@ def test_static_steps_donate_state_buffers():
     s2, _ = opt.step(s1, X[:8], Y[:8])  # opt graph: params, accumulators, optimizer state
     assert all(a.is_deleted() for a in jax.tree.leaves((s1.params, s1.grad_acc, s1.opt_state)))
     assert not any(a.is_deleted() for a in jax.tree.leaves(s2[:3]))  # (the counter is host)
+
+
+def _buffers(state) -> dict:
+    return {part: [a.unsafe_buffer_pointer() for a in jax.tree.leaves(getattr(state, part))]
+            for part in ("params", "grad_acc", "opt_state")}
+
+
+@pytest.mark.parametrize("period", [1, 2])
+def test_each_state_is_updated_in_its_own_buffer(period):
+    """JAX writes a result into the first unused donated argument of its shape, results in
+    order: the step graphs return the accumulators (period > 1) before the params, so in the
+    graphs' own order each period swapped the params' and accumulators' buffers and XLA copied
+    both into and out of any loop updating them. Once warm, every state part stays in its
+    buffers from period to period."""
+    opt = jg.Optimizer(mlp, ADAM, loss="cross_entropy", period=period)
+    state = opt.init(copy(init_params(hidden=64)), X[:8], Y[:8])
+    for _ in range(period):  # (the first update may write the params the user gave elsewhere)
+        state, _ = opt.step(state, X[:8], Y[:8])
+    warm = _buffers(state)
+    for _ in range(2 * period):
+        state, _ = opt.step(state, X[:8], Y[:8])
+        assert _buffers(state) == warm

@@ -63,7 +63,7 @@ from jgraph.dropin import nnx_objects, recording
 from jgraph.dropin.arguments import ArgumentError
 from jgraph.fuse import without_grads
 from jgraph.ir import Eqn, Graph, Var
-from jgraph.lower import Lowering
+from jgraph.lower import InDonationOrder, Lowering, donation_order
 from jgraph.remat import remat
 from jgraph.trace import trace_closure
 
@@ -394,11 +394,18 @@ class Jit:
                 tree, [0] * len(mask))], [mask], "out_shardings", "the step's result")
             options["out_shardings"] = flat
 
+        first = len(graph.outputs) - n_out  # each donated leaf's new value written into it
+        taken = set(donate)
+        results = [k - first for k in donation_order(graph, [k in taken for k in order])
+                   if k >= first]
+        if "out_shardings" in options and isinstance(options["out_shardings"], list):
+            options["out_shardings"] = [options["out_shardings"][k] for k in results]
+
         def run(*leaves):
             outs = Lowering().run(graph, *[leaves[k] for k in order])
-            return outs[len(outs) - n_out:]
+            return [outs[first + k] for k in results]
 
-        return jax.jit(run, donate_argnums=tuple(donate), **options)
+        return InDonationOrder(jax.jit(run, donate_argnums=tuple(donate), **options), results)
 
 
 def _is_spec(x) -> bool:

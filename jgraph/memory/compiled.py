@@ -43,7 +43,7 @@ from jgraph import config
 from jgraph.check import validate
 from jgraph.interpreter import flatten_args
 from jgraph.ir import Graph
-from jgraph.lower import Lowering
+from jgraph.lower import InDonationOrder, Lowering, donation_order
 from jgraph.memory import fusions
 from jgraph.memory.hbm import MIB, at_chip, at_size, smallest_size
 from jgraph.memory.step import STATE_ROLES, sgd_plan
@@ -100,17 +100,20 @@ class CompiledMemory:
 
 def donated_step(graph: Graph, learning_rate: float = 1e-3):
     """`(step, split)`: `step(state, rest)` is the training step of the graph, jitted with
-    `state` donated; `split(*args)` turns the graph's call arguments into `(state, rest)`."""
+    `state` donated; `split(*args)` turns the graph's call arguments into `(state, rest)`. Each
+    state's new value is written into its buffer (`jgraph.lower.donation_order`); without
+    `new_param` outputs, each grad feeds an SGD update of its param, returned first."""
     is_state, sgd, grad_params = sgd_plan(graph)
     grads = [k for k, r in enumerate(graph.output_roles) if r == "grad"]
     lowering = Lowering(scoped=True)
+    order = donation_order(graph, is_state)
 
     def step(state, rest):
         state, rest = iter(state), iter(rest)
         flat = [next(state) if s else next(rest) for s in is_state]
         outs = lowering.run(graph, *flat)
         if not sgd:
-            return outs
+            return [outs[k] for k in order]
         new = dict(enumerate(flat))
         for k, g in zip(grad_params, [outs[i] for i in grads], strict=True):
             new[k] = flat[k] - learning_rate * g
@@ -122,7 +125,8 @@ def donated_step(graph: Graph, learning_rate: float = 1e-3):
         return ([x for x, s in zip(flat, is_state, strict=True) if s],
                 [x for x, s in zip(flat, is_state, strict=True) if not s])
 
-    return jax.jit(step, donate_argnums=0), split
+    jitted = jax.jit(step, donate_argnums=0)
+    return (jitted if sgd else InDonationOrder(jitted, order)), split
 
 
 def compiled_memory(graph: Graph, *args, target=None, exact: bool = True) -> CompiledMemory:

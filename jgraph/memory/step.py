@@ -3,8 +3,9 @@
 `step_program(graph)` is what `jg.compiled_memory` compiles (`jgraph.memory.compiled`): the
 graph's state inputs (params, accumulators, optimizer state, counters) are donated; without
 `new_param` outputs, each grad feeds an SGD update `p - lr * g` of its param. JAX aliases each
-result to the first unused donated argument of the same shape and dtype, results in order, and
-XLA writes it there. Where a donated argument is still read by a kernel its result's writer does
+result to the first unused donated argument of the same shape and dtype, results in order (the
+step returns each state's new value first, in its inputs' order: `jgraph.lower.donation_order`),
+and XLA writes it there. Where a donated argument is still read by a kernel its result's writer does
 not depend on, XLA's copy insertion copies the argument first (a temp), and the argument's
 allocation is free until the result is written: temps may live there (`jgraph.memory.buffers`).
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, Var
+from jgraph.lower import donation_order
 from jgraph.memory.program import Kernel, Ops, Value, connect, flatten, kernels
 from jgraph.target import STATE_ROLES
 
@@ -69,7 +71,7 @@ def step_program(graph: Graph, workspace, decided: dict | None = None) -> Progra
         results += [ops.root(a) for a, r in zip(graph.outputs, graph.output_roles, strict=True)
                     if r != "grad"]
     else:
-        results = [ops.root(a) for a in graph.outputs]
+        results = [ops.root(graph.outputs[k]) for k in donation_order(graph, is_state)]
     donated = [v for v, s in zip(graph.inputs, is_state, strict=True) if s]
     alias = _jax_aliases(donated, results)
     inputs = {v: Value(v, opkinds.nbytes(v.aval), "input") for v in graph.inputs}

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jgraph.ir import Graph
-from jgraph.lower import as_function
+from jgraph.lower import as_function, jit_donated
 from jgraph.training.mesh import MeshPlan, combine
 
 
@@ -130,8 +130,8 @@ class MeshSteps:
         outs = (rep, grads) + ((self.params, self.opt_state) if has_opt else ())
         if graph.info.get("finite_output") is not None:
             outs += (rep,)
-        return MeshStep(jax.jit(as_function(graph), in_shardings=ins, out_shardings=outs,
-                                donate_argnums=donate), pace=self.pace)
+        return MeshStep(jit_donated(graph, donate, in_shardings=ins, out_shardings=outs),
+                        pace=self.pace)
 
     def reset(self, graph: Graph, params):
         """`params -> {state part: reset value}`; accumulators per device when period > 1."""

@@ -45,7 +45,7 @@ import numpy as np
 from jgraph.backward import backward
 from jgraph.errors import BudgetWarning, JGraphError, TransformError
 from jgraph.ir import Graph
-from jgraph.lower import as_function
+from jgraph.lower import as_function, jit_donated
 from jgraph.trace import trace
 from jgraph.training.accumulate import LOSS_SCALED_BY_PERIOD, accumulate
 from jgraph.training.arguments import (
@@ -234,8 +234,8 @@ class Optimizer(StateFiles, WholePeriods):
         if plan is None:
             executables = {
                 "forward": jax.jit(as_function(fwd)),
-                "grad": jax.jit(as_function(graphs["grad"]), donate_argnums=grad_donate),
-                "opt": jax.jit(as_function(graphs["opt"]), donate_argnums=opt_donate),
+                "grad": jit_donated(graphs["grad"], grad_donate),
+                "opt": jit_donated(graphs["opt"], opt_donate),
                 "reset": jax.jit(as_function(graphs["reset"])),
             }
         else:  # period 1: the whole micro-batch's graphs, partitioned by XLA
