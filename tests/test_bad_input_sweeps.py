@@ -37,7 +37,9 @@ from properties import assert_bitwise, examples
 
 import jgraph as jg
 from jgraph import ops
+from jgraph.control_flow import HIGHER_ORDER
 from jgraph.ir import Literal, Var
+from jgraph.lower import Lowering
 from jgraph.training import StateFileError, StateFileWarning
 from jgraph.training.state_io import FORMAT_VERSION, MAGIC
 
@@ -55,11 +57,15 @@ def _first_reader(g, outs, after: int):
 
 
 def _breaks(eqn, inputs) -> bool:
-    """Does JAX reject `eqn`'s op on these inputs, or give other output avals?"""
+    """Does JAX reject `eqn`'s op on these inputs, or give other output avals? (A loop or a
+    cond runs its bodies through jgraph's lowering, as `jgraph.lower` runs them: without it
+    every loop was taken as broken by any swap, one of a weak and a strong scalar included.)"""
     specs = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=a.aval.weak_type)
              for a in inputs]
+    bodies = {"interpret": Lowering().run_sub} if eqn.op in HIGHER_ORDER else {}
     try:
-        outs = jax.eval_shape(lambda *xs: ops.lowerings[eqn.op](*xs, **eqn.params), *specs)
+        outs = jax.eval_shape(lambda *xs: ops.lowerings[eqn.op](*xs, **bodies, **eqn.params),
+                              *specs)
     except Exception:  # noqa: BLE001 - any rejection by JAX breaks the eqn
         return True
     return len(outs) != len(eqn.outputs) or any(

@@ -283,6 +283,19 @@ def test_a_periods_stacked_gradient_takes_the_copied_params_allocation():
         jg.compiled_memory(step).temp_bytes, rel=0.025)
 
 
+def test_a_fused_scans_materialising_cond_writes_over_its_operands():
+    """`jg.fuse_updates` passes the param, moment slices a fused scan reads through a `cond`
+    XLA cannot fuse into (`jgraph.fuse`). XLA colocates a conditional's outputs with its
+    branches' roots and their parameters with its operands, so through the identity branch the
+    slices stay where they are. Simulated as three new buffers beside them, the fused adam step
+    of a 16-layer scanned MLP was 11 % over XLA's temp (16 % at batch 32)."""
+    args = scanned_chain_args()
+    step = jg.optimizer_step(joint(scanned_chain, *args), optax.adam(1e-3))
+    fused = jg.fuse_updates(step, keep_grads=False)
+    assert jg.memory(fused).peak_bytes == pytest.approx(
+        jg.compiled_memory(fused).temp_bytes, rel=0.05)
+
+
 def test_a_scans_stacked_output_nothing_reads_is_no_buffer():
     """A fused step whose gradients are left out after fusing: the backward scan still stacks
     them, and nothing reads the stack. XLA drops that output of the loop, so the step compiles

@@ -435,6 +435,7 @@ def test_the_measured_temp_is_the_default_compiles():
             int(stats.argument_size_in_bytes + stats.output_size_in_bytes
                 - stats.alias_size_in_bytes + stats.temp_size_in_bytes),
             materialised=fusions.read(default.as_text())[0],
-            fused=fusions.read(default.as_text())[1])
+            fused=fusions.read(default.as_text())[1],
+            written=fusions.read(default.as_text())[2])
         assert jg.compiled_memory(graph, *call_args) == want
         assert xla_temp(graph) == want.temp_bytes

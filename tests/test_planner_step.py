@@ -291,10 +291,11 @@ def test_small_chunks_are_planned_only_when_nothing_else_fits(monkeypatch):
 
 def test_a_step_planned_without_its_grads_is_calibrated_on_the_step_that_runs(count_compiles):
     """A step returning no gradients (`without_grads`, as `jg.jit` and `jg.Optimizer` plan it)
-    under a percentage a plan meets: the model is calibrated on the step as it runs (the one the
-    percentage is of, and its fused twin where the updates move), so beside those two compiles
-    only the plan returned is compiled (the joint graph with its gradients was compiled for the
-    calibration too: four)."""
+    under a percentage a plan meets: the model is calibrated on the step as it runs, the one
+    the percentage is of; it weighs the fused twin (2.74 MB against 2.90 here) and predicts
+    the plans of the fused step, so beside that compile only the plan returned is compiled (the
+    joint graph with its gradients was compiled for the calibration too: four; then the fused
+    twin: three)."""
     ws, x = setup()
     tx = optax.adam(1e-3)
     go = jg.optimizer_step(jg.backward(jg.trace(loss, ws, x, param_argnums=0)), tx)
@@ -303,7 +304,7 @@ def test_a_step_planned_without_its_grads_is_calibrated_on_the_step_that_runs(co
     with warnings.catch_warnings():
         warnings.simplefilter("error", jg.BudgetWarning)
         gr = jg.remat(step, budget="50%")
-    assert gr.info["remat"]["confirmed"] == "compiled"
-    assert len(compiles) == 3, len(compiles)
+    assert gr.info["remat"]["confirmed"] == "compiled" and gr.info["remat"]["fused"]
+    assert len(compiles) == 2, len(compiles)
     assert jg.compiled_memory(gr).budget_bytes <= gr.info["remat"]["budget"]
     assert_steps_like_jax(gr, tx, ws, x)

@@ -351,7 +351,10 @@ def test_static_steps_donate_state_buffers():
 
 
 def _buffers(state) -> dict:
-    return {part: [a.unsafe_buffer_pointer() for a in jax.tree.leaves(getattr(state, part))]
+    """Where each array of the state lives (scalars, such as adam's count, left out: no other
+    state shares their shape, and XLA:CPU may write a scalar result anywhere)."""
+    return {part: [a.unsafe_buffer_pointer() for a in jax.tree.leaves(getattr(state, part))
+                   if a.size > 1]
             for part in ("params", "grad_acc", "opt_state")}
 
 

@@ -70,12 +70,13 @@ class CompiledMemory:
     # computed only inside the fusions reading them (`jgraph.memory.fusions`).
     materialised: tuple[int, ...] = ()
     fused: tuple[int, ...] = ()
+    written: tuple[tuple[int, int], ...] = ()  # (eqn, elements) of each array the entry writes
 
     @staticmethod
     def from_json(found: dict) -> CompiledMemory:
         """The figures `dataclasses.asdict` wrote as JSON (lists back to tuples)."""
-        return CompiledMemory(**{k: tuple(v) if isinstance(v, list) else v
-                                 for k, v in found.items()})
+        return CompiledMemory(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                                 if isinstance(v, list) else v for k, v in found.items()})
 
     @property
     def budget_bytes(self) -> int:
@@ -225,17 +226,17 @@ def _measured(target: Target, lowered, options: dict, mode: str,
     if target.platform == "cpu" or peak == 0:  # XLA:CPU's peak counts the arguments alone
         peak = arguments + outputs - aliased + temp
     hlo = compiled.as_text()
-    materialised, fused = fusions.read(hlo)
+    materialised, fused, written = fusions.read(hlo)
     return CompiledMemory(temp_bytes=temp, argument_bytes=arguments, output_bytes=outputs,
                           alias_bytes=aliased, dots=_dots(hlo, target),
                           peak_bytes=peak, platform=target.platform, figure=target.figure,
                           hbm_bytes=int(hbm), hbm_mode=mode, materialised=materialised,
-                          fused=fused)
+                          fused=fused, written=written)
 
 
 # -- the figure cache ------------------------------------------------------------------------------
 _CACHE: dict[str, CompiledMemory] = {}
-FORMAT = 3  # of what a cached entry holds
+FORMAT = 4  # of what a cached entry holds
 
 
 def _versions() -> tuple:

@@ -20,16 +20,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from jgraph.ir import Graph, Literal, Var
 from jgraph.memory.program import literal_key
 
 _SCOPE = re.compile(r'op_name="[^"]*?/e(\d+)/')
 
 
-def read(hlo: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def read(hlo: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
     """(eqns whose value an instruction of the entry computation writes, eqns computed only
-    inside fusions), by index in the graph, from compiled HLO text."""
-    entry, inside = set(), set()
+    inside fusions, and (eqn, elements) of each array the entry's instructions write), by index
+    in the graph, from compiled HLO text."""
+    entry, inside, written = set(), set(), set()
     computation = None
     for line in hlo.splitlines():
         if line and not line[0].isspace():  # a computation's header (or its closing brace)
@@ -38,8 +41,15 @@ def read(hlo: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         found = _SCOPE.search(line)
         if found is None:
             continue
-        (entry if computation == "entry" else inside).add(int(found.group(1)))
-    return tuple(sorted(entry)), tuple(sorted(inside - entry))
+        index = int(found.group(1))
+        (entry if computation == "entry" else inside).add(index)
+        shape = _ARRAY.match(line) if computation == "entry" else None
+        if shape is not None:
+            written.add((index, int(np.prod([int(d) for d in shape.group(1).split(",") if d]))))
+    return tuple(sorted(entry)), tuple(sorted(inside - entry)), tuple(sorted(written))
+
+
+_ARRAY = re.compile(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]")  # an array result (not a tuple)
 
 
 def numbers(graph: Graph) -> dict[Var, object]:
@@ -97,13 +107,24 @@ class Fusions:
     decided: dict
 
     @staticmethod
-    def of(graph: Graph, materialised, fused) -> Fusions:
+    def of(graph: Graph, materialised, fused, written=()) -> Fusions:
+        """`written`: (eqn, elements) of the arrays the entry's instructions write. An array
+        eqn whose entry instructions all write scalars is not taken as written: its name is on
+        a scalar XLA derived from it (`x / c` is `x * (1 / c)` to XLA's simplifier, the scalar
+        `1 / c` an instruction of its own named after the divide)."""
         named = contexts(graph)
+        sizes: dict[int, set] = {}
+        for i, n in written:
+            sizes.setdefault(i, set()).add(n)
         decided = {}
         for indices, verdict in ((fused, False), (materialised, True)):
             for i in indices:
-                if i < len(graph.eqns) and len(graph.eqns[i].outputs) == 1:
-                    decided[named[graph.eqns[i].outputs[0]]] = verdict
+                if i >= len(graph.eqns) or len(graph.eqns[i].outputs) != 1:
+                    continue
+                out = graph.eqns[i].outputs[0]
+                if verdict and sizes.get(i) == {1} and out.aval.size > 1:
+                    continue
+                decided[named[out]] = verdict
         return Fusions(decided)
 
     def on(self, graph: Graph) -> dict[Var, bool]:

@@ -104,7 +104,7 @@ def calibration(unplanned: Graph, target: Target) -> Calibration:
                                             _tpu_buffers(unplanned, target))
         else:
             fitted = Calibration(target, compiled.budget_bytes, 0, Fusions.of(
-                unplanned, compiled.materialised, compiled.fused))
+                unplanned, compiled.materialised, compiled.fused, compiled.written))
             known[target.key] = dataclasses.replace(
                 fitted, modelled=fitted.simulate(unplanned).placement.peak)
     return known[target.key]

@@ -555,6 +555,18 @@ def _reshaped(value: Value, root) -> bool:
 
 def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
     eqn = k.root
+    if eqn.op == "cond":  # XLA colocates an output with a branch's root, and a branch's
+        # parameter with its operand: a branch returning its parameter writes over the operand
+        found = []
+        for out, i in zip(k.writes, range(len(eqn.outputs)), strict=False):
+            for branch in eqn.params["branches"]:
+                result = branch.outputs[i]
+                if result in branch.inputs:
+                    operand = root(eqn.inputs[1 + branch.inputs.index(result)])
+                    if operand in values:
+                        found.append((out, values[operand]))
+                    break
+        return found
     if eqn.op in opkinds.LOOPS:
         first = {"scan": eqn.params.get("num_consts", 0),
                  "while": eqn.params.get("cond_nconsts", 0) + eqn.params.get("body_nconsts", 0)

@@ -272,6 +272,9 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         calibrating = plain if calibrated_by is None else calibrated_by
         if finish is not None:  # the step as it runs, as every graph the model predicts is
             calibrating = finish(calibrating)  # (compiled already: the budget's reference)
+            # a step fused on the model's word: the unfused step it was weighed against, whose
+            # compile calibrated that model (`jgraph.remat._fused`), calibrates this one too
+            calibrating = calibrating.info.get("unfused_step", calibrating)
         return _confirmed(search, calibrating, target)
 
 

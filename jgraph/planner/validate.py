@@ -28,7 +28,8 @@ from jgraph.errors import TransformError
 from jgraph.ir import Graph
 from jgraph.memory import STATE_ROLES
 from jgraph.memory.compiled import CompiledMemory, lowered_step, read_figures
-from jgraph.target import current
+from jgraph.memory.model import calibration
+from jgraph.target import TargetError, current
 
 seconds = 0.0  # compile seconds of the current planning (`jgraph.planner.search` resets it)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
@@ -132,6 +133,26 @@ def xla_temp(graph: Graph) -> int:
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             return fitted.predict(graph)
     return xla_figures(graph).budget_bytes
+
+
+def predicted_smaller(graph: Graph, than: Graph) -> bool:
+    """Whether `graph`'s figure is under `than`'s (a step and its twin computing the same
+    values) on the target in force, predicted by the model calibrated on `than`'s compile,
+    which the caller has made anyway; compiled too only where the prediction lies within
+    `CLEAR` of `than`'s figure, or the target has no model (GPU)."""
+    try:
+        fitted = calibration(than, current())
+    except TargetError:
+        return xla_temp(graph) < xla_temp(than)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        predicted = fitted.predict(graph)
+    if abs(predicted - fitted.figure) > CLEAR * fitted.figure:
+        return predicted < fitted.figure
+    return xla_temp(graph) < xla_temp(than)
+
+
+CLEAR = 0.04  # the model's error on training steps (`bench_memory --target cpu`: within 3.6 %)
 
 
 def xla_figures(graph: Graph) -> CompiledMemory:
