@@ -196,24 +196,6 @@ class Graph:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [self.inputs[starts[i] + k] for i in argnums for k in range(sizes[i])]
 
-    def updated_inputs(self) -> list[Var | None]:
-        """Per output, the input it is the new value of, or None: the k-th `new_R` output is
-        the k-th `R` input's (params in `grad_params` order) where their shapes and dtypes
-        agree, as `check` requires of a valid graph."""
-        olds = {r: self.grad_params() if r == "param" else self.inputs_with_role(r)
-                for r in set(self.input_roles)}
-        seen: dict[str, int] = {}
-        found: list[Var | None] = []
-        for out, role in zip(self.outputs, self.output_roles, strict=True):
-            old, state = None, role[4:] if role.startswith("new_") else None
-            if state in olds and seen.get(state, 0) < len(olds[state]):
-                old = olds[state][seen.get(state, 0)]
-                seen[state] = seen.get(state, 0) + 1
-                if (old.aval.shape, old.aval.dtype) != (out.aval.shape, out.aval.dtype):
-                    old = None
-            found.append(old)
-        return found
-
     def input_paths(self) -> list[str]:
         """Each input's place in the call arguments, as `[0]['w']` (`[k]` for flat graphs)."""
         if self.in_tree is None:

@@ -60,6 +60,7 @@ from jgraph import opkinds
 from jgraph.check import validate
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, Var, is_float
+from jgraph.roles import updated_inputs
 from jgraph.target import STATE_ROLES, TargetError, resolve
 
 
@@ -419,7 +420,7 @@ def donation_order(graph: Graph, donated) -> tuple[int, ...]:
     params and take their buffers, and XLA then copies each crossed state in and out of a loop
     that updates it (`donated`: per input)."""
     index = {v: k for k, v in enumerate(graph.inputs)}
-    updated = graph.updated_inputs()
+    updated = updated_inputs(graph)
     own = list(range(len(graph.outputs)))
     if _aliased_as_updated(graph, donated, own, updated):
         return tuple(own)  # (the program XLA compiles stays as the graph has it)

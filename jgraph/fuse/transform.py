@@ -48,6 +48,7 @@ from jgraph.fuse.slices import SLICE, STATE_OF, slice_form, sliced
 from jgraph.ir import Eqn, Graph, Var, eqn_lines, is_float
 from jgraph.naming import format_eqn
 from jgraph.passes import dce, without_unused_ys
+from jgraph.roles import updated_inputs
 
 
 # -- the analysis: update eqns, gradients, and what can move into a scan -----------------------
@@ -416,20 +417,10 @@ def with_grads(graph: Graph) -> tuple[Graph, bool] | None:
 
 
 def _state_inputs(graph: Graph) -> list:
-    """Per output: the state input it is the new value of (same shape and dtype), or None."""
-    olds = {role: (graph.grad_params() if role == "new_param"
-                   else graph.inputs_with_role(STATE_OF[role])) for role in STATE_OF}
-    seen = dict.fromkeys(STATE_OF, 0)
-    pairs = []
-    for out, role in zip(graph.outputs, graph.output_roles, strict=True):
-        state = None
-        if role in STATE_OF and seen[role] < len(olds[role]):
-            state = olds[role][seen[role]]
-            seen[role] += 1
-            if (state.aval.shape, state.aval.dtype) != (out.aval.shape, out.aval.dtype):
-                state = None
-        pairs.append(state)
-    return pairs
+    """Per output: the param, optimizer state or accumulator input it is the new value of (same
+    shape and dtype), or None."""
+    return [old if role in STATE_OF else None
+            for old, role in zip(updated_inputs(graph), graph.output_roles, strict=True)]
 
 
 def plan_updates(step: Step, pairs) -> tuple[dict, dict]:
