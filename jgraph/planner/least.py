@@ -1,6 +1,6 @@
 """A percentage no plan meets: the plan reaching the least temp, ranked on the model and
-confirmed by two compiles (`least_plan`), over every attempt of `jg.remat` together (`pooled`,
-`least_of`)."""
+confirmed by one or two compiles (`least_plan`), over every attempt of `jg.remat` together
+(`pooled`, `least_of`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from jgraph.planner.plan import HAND
 from jgraph.planner.report import peak, reported
 from jgraph.target import current
 
-LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage
+LEAST_COMPILED = 2  # of the plans the model puts least, where no plan meets a percentage (the
+# second only where the model puts it within `validate.CLEAR` of the first: it cannot rank them)
 SMALL_STEP = 2**16  # (and every hand arrangement, on a step of less temp: `least_plan`)
 
 
@@ -46,7 +47,7 @@ def pooled():
     puts its ranked least plans (`Least`) in the list yielded and returns the model's least plan
     (`info["remat"]["confirmed"] == "pooled"`); `least_of(pool)` then compiles the
     `LEAST_COMPILED` plans the model puts least over every search (`jg.remat`'s attempts with
-    the loss head whole and in chunks: two compiles in all, not two per attempt)."""
+    the loss head whole and in chunks: at most two compiles in all, not two per attempt)."""
     pool: list[Least] = []
     token = _POOL.set(pool)
     try:
@@ -60,7 +61,7 @@ def least_plan(plain: Graph, smallest: list, report: dict, budget: str, tried: d
     """A percentage no plan reaches: the plan reaching the least temp (no remat when none
     lowers it), with a `BudgetWarning` naming both figures. On the model, the `LEAST_COMPILED`
     plans it puts least (the hand arrangements among the candidates) are compiled, and the
-    least compiled is returned: two compiles, not one per candidate; on a step of less than
+    least compiled is returned: one or two compiles, not one per candidate; on a step of less than
     `SMALL_STEP` of temp, where each buffer is a few alignments and the model ranks loosely,
     every hand arrangement of the step as given too (not of its chunked attempts: a
     transformer block of 0.6 MB compiled 29 plans, 0.5 s each, for one least plan). A byte
@@ -92,7 +93,8 @@ def least_of(pool: list[Least]) -> Graph:
     first = pool[0]
     everything = _distinct(sorted(((p, c, f, least) for least in pool
                                    for p, c, f in least.ranked), key=_model_order))
-    chosen = everything[:LEAST_COMPILED]
+    chosen = everything[:1] + [s for s in everything[1:LEAST_COMPILED]
+                               if s[2] <= (1 + validate.CLEAR) * everything[0][2]]
     if first.report["no_remat_temp"] < SMALL_STEP:
         chosen += [s for s in everything[LEAST_COMPILED:]
                    if s[3] is first and s[0].label.startswith(HAND)]
