@@ -106,6 +106,8 @@ def aliases(eqn: Eqn) -> list[int] | None:
         return [0]
     if op == "broadcast_in_dim" and src.size == out.size:  # only adds dimensions of size 1
         return [0]
+    if op in ("slice", "dynamic_slice") and src.shape == out.shape:  # all of it: XLA's
+        return [0]  # simplifier reads the operand itself
     if op == "transpose" and _moves_only_unit_dims(src.shape, eqn.params["permutation"]):
         return [0]
     return None
