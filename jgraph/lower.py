@@ -60,7 +60,7 @@ from jgraph import opkinds
 from jgraph.check import validate
 from jgraph.interpreter import Interpreter, flatten_args, unflatten_outputs
 from jgraph.ir import Eqn, Graph, Var, is_float
-from jgraph.roles import updated_inputs
+from jgraph.roles import donated_buffers, updated_inputs
 from jgraph.target import STATE_ROLES, TargetError, resolve
 
 
@@ -433,18 +433,10 @@ def donation_order(graph: Graph, donated) -> tuple[int, ...]:
 
 def _aliased_as_updated(graph: Graph, donated, order, updated) -> bool:
     """Whether JAX, given the outputs in `order`, aliases each donated input's new value to it."""
-    free: dict = {}
-    for v, d in zip(graph.inputs, donated, strict=True):
-        if d:
-            free.setdefault((v.aval.shape, v.aval.dtype), []).append(v)
-    for k in order:
-        out = graph.outputs[k]
-        queue = free.get((out.aval.shape, out.aval.dtype))
-        if queue:
-            if updated[k] is not None and queue[0] is not updated[k]:
-                return False
-            queue.pop(0)
-    return True
+    buffers = donated_buffers([v for v, d in zip(graph.inputs, donated, strict=True) if d],
+                              [graph.outputs[k] for k in order])
+    return all(b is None or updated[k] is None or b is updated[k]
+               for k, b in zip(order, buffers, strict=True))
 
 
 class InDonationOrder:

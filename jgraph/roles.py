@@ -28,3 +28,17 @@ def updated_inputs(graph: Graph) -> list[Var | None]:
                 old = None
         found.append(old)
     return found
+
+
+def donated_buffers(donated: list[Var], results) -> list[Var | None]:
+    """Per result (a `Var` or `Literal`), the donated input whose buffer JAX writes it into:
+    the first of the same shape and dtype not yet taken, results in order, or None where none
+    is left. JAX aliases by position: a literal or repeated result takes one too."""
+    free: dict[tuple, list[Var]] = {}
+    for v in donated:
+        free.setdefault((v.aval.shape, v.aval.dtype), []).append(v)
+    found: list[Var | None] = []
+    for a in results:
+        queue = free.get((a.aval.shape, a.aval.dtype))
+        found.append(queue.pop(0) if queue else None)
+    return found

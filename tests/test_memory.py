@@ -3,6 +3,7 @@
 
 import gc
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -327,3 +328,24 @@ def test_a_slice_of_a_whole_array_is_no_buffer():
     compiled = {jg.compiled_memory(g, w, x, i).temp_bytes for g in graphs}
     assert len(compiled) == 1  # XLA: the same program
     assert jg.memory(graphs[0]).peak_bytes == jg.memory(graphs[1]).peak_bytes
+
+
+def test_jax_writes_a_repeated_result_into_a_donated_buffer_of_its_own():
+    """JAX aliases donated arguments to results by position, each result the first unused
+    argument of its shape and dtype: a value returned twice takes two. The simulator skipped the
+    second place, so the next result of that shape took the buffer JAX gave the repeat."""
+    from jgraph.memory.step import _jax_aliases
+    from jgraph.roles import donated_buffers
+
+    def step(a, b):
+        c = a * 2 + b
+        return c, c, a + 1
+
+    x = jnp.ones((4,))
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(x, x).compile().as_text()
+    xla = dict(re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", hlo))
+    graph = jg.trace(step, x, x)
+    buffers = donated_buffers(list(graph.inputs), list(graph.outputs))
+    ours = {str(k): str(graph.inputs.index(b)) for k, b in enumerate(buffers) if b is not None}
+    assert ours == xla == {"0": "0", "1": "1"}
+    assert graph.outputs[2] not in _jax_aliases(list(graph.inputs), list(graph.outputs))

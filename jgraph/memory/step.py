@@ -24,6 +24,7 @@ from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, Var
 from jgraph.lower import donation_order
 from jgraph.memory.program import Kernel, Ops, Value, connect, flatten, kernels
+from jgraph.roles import donated_buffers
 from jgraph.target import STATE_ROLES
 
 
@@ -90,15 +91,12 @@ def step_program(graph: Graph, workspace, decided: dict | None = None) -> Progra
 
 
 def _jax_aliases(donated: list[Var], results: list) -> dict:
-    """result -> the donated argument JAX aliases it to (first unused one of the same aval)."""
-    free: dict[tuple, list[Var]] = {}
-    for v in donated:
-        free.setdefault((v.aval.shape, v.aval.dtype), []).append(v)
-    alias = {}
-    for a in results:
-        queue = free.get((a.aval.shape, a.aval.dtype))
-        if queue and isinstance(a, Var) and a not in alias:
-            alias[a] = queue.pop(0)
+    """result -> the donated argument JAX writes it into (`jgraph.roles.donated_buffers`), for
+    the first place a value is returned (XLA copies it into the others)."""
+    alias: dict = {}
+    for a, d in zip(results, donated_buffers(donated, results), strict=True):
+        if d is not None and isinstance(a, Var) and a not in alias:
+            alias[a] = d
     return alias
 
 
