@@ -26,7 +26,9 @@ of `reference/tpu-figures.md` (d 1024, batch 4096 and 16384) and the scanned LM 
 `--all` on TPU adds `bench_planner`'s models, the unseen graphs and the real-model suite (their
 plans as on CPU, the planner's at 50 %): about two hours of compiles. On CPU (and on TPU with
 `--all`) training steps as jgraph builds them come last: a scanned MLP's adam step, alone and
-accumulating over a period, unfused and with its updates fused, and the planner's plans of them.
+accumulating over a period, unfused and with its updates fused, and the planner's plans of them;
+on CPU before them whole steps a user writes, as `jg.jit(budget=...)` plans them (an MLP's and a
+transformer block's adam steps, Haiku's MNIST update).
 `--models` keeps the models named by the comma-separated words or whose name contains one (a
 long run resumed where it stopped).
 """
@@ -365,6 +367,9 @@ def target_rows(platform: str, quick: bool = False, everything: bool = False,
                 plans[f"jg.remat(budget={budget!r})"] = jg.remat(plain, budget=budget,
                                                                  target=target)
         yield from _predicted(name, plain, plans, target)
+    for name, (plain, plans) in _jit_steps().items() if platform == "cpu" else ():
+        if not models or any(m == name or m in name for m in models):
+            yield from _predicted(name, plain, plans, target)
     for name, (plain, plans) in _steps().items() if platform == "cpu" or everything else ():
         if models and not any(m == name or m in name for m in models):
             continue
@@ -409,6 +414,35 @@ def _steps():
         plain = without_grads(step)
         found[name] = (plain, {"no remat": plain,
                                "updates fused": jg.fuse_updates(step, keep_grads=False)})
+    return found
+
+
+def _jit_steps():
+    """{name: (the step as it runs unplanned, {plan: step})} of whole training steps a user
+    writes and `jg.jit(budget=...)` plans (forward, backward, the optax update in one graph):
+    `bench_dropin`'s adam steps of an MLP and a transformer block at 50 %, and Haiku's MNIST
+    update of `examples/haiku_jit.py` at its 95 %."""
+    import runpy
+
+    from benchmarks.bench_dropin import TX, jit_step
+    from benchmarks.bench_dropin import models as dropin_models
+
+    found = {}
+    cases = [(f"jg.jit {name}", jit_step(jg.jit, jg.value_and_grad, loss, budget="50%"),
+              (params, TX.init(params), x)) for name, loss, params, x in dropin_models(True)]
+    example = runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples"
+                                 / "haiku_jit.py"), run_name="haiku_jit")
+    data = example["load_data"]()
+    params = example["net"].init(jax.random.PRNGKey(0), data["image"][:1])
+    cases.append(("jg.jit Haiku MNIST update", example["update"],
+                  (params, example["opt"].init(params), next(example["batches"](data, 32, 0)))))
+    for name, step, args in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = step.graph(*args)
+        plain = step.info(*args)["unplanned"]
+        found[name] = (plain, {"no remat": plain,
+                               f"jg.jit(budget={plan.info['remat']['budget_given']!r})": plan})
     return found
 
 
