@@ -138,10 +138,8 @@ def xla_temp(graph: Graph) -> int:
 def predicted_smaller(graph: Graph, than: Graph) -> bool:
     """Whether `graph`'s figure is under `than`'s (a step and its twin computing the same
     values) on the target in force, predicted by the model calibrated on `than`'s compile,
-    which the caller has made anyway: where the prediction lies within `CLEAR` of `than`'s
-    figure the model cannot tell them apart and `than` is kept, uncompiled (a twin no more
-    than that apart is not worth a compile on the step's first call); compiled where the
-    target has no model (GPU)."""
+    which the caller has made anyway; compiled too only where the prediction lies within
+    `CLEAR` of `than`'s figure, or the target has no model (GPU)."""
     try:
         fitted = calibration(than, current())
     except TargetError:
@@ -149,7 +147,9 @@ def predicted_smaller(graph: Graph, than: Graph) -> bool:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         predicted = fitted.predict(graph)
-    return predicted < (1 - CLEAR) * fitted.figure
+    if abs(predicted - fitted.figure) > CLEAR * fitted.figure:
+        return predicted < fitted.figure
+    return xla_temp(graph) < xla_temp(than)
 
 
 CLEAR = 0.04  # the model's error on training steps (`bench_memory --target cpu`: within 3.6 %)
