@@ -367,9 +367,8 @@ def target_rows(platform: str, quick: bool = False, everything: bool = False,
                 plans[f"jg.remat(budget={budget!r})"] = jg.remat(plain, budget=budget,
                                                                  target=target)
         yield from _predicted(name, plain, plans, target)
-    for name, (plain, plans) in _jit_steps().items() if platform == "cpu" else ():
-        if not models or any(m == name or m in name for m in models):
-            yield from _predicted(name, plain, plans, target)
+    for name, (plain, plans) in _jit_steps(models).items() if platform == "cpu" else ():
+        yield from _predicted(name, plain, plans, target)
     for name, (plain, plans) in _steps().items() if platform == "cpu" or everything else ():
         if models and not any(m == name or m in name for m in models):
             continue
@@ -417,11 +416,12 @@ def _steps():
     return found
 
 
-def _jit_steps():
+def _jit_steps(models: tuple[str, ...] = ()):
     """{name: (the step as it runs unplanned, {plan: step})} of whole training steps a user
     writes and `jg.jit(budget=...)` plans (forward, backward, the optax update in one graph):
     `bench_dropin`'s adam steps of an MLP and a transformer block at 50 %, and Haiku's MNIST
-    update of `examples/haiku_jit.py` at its 95 %."""
+    update of `examples/haiku_jit.py` at its 95 %; with `models`, only those named (the others
+    are not planned)."""
     import runpy
 
     from benchmarks.bench_dropin import TX, jit_step
@@ -437,6 +437,8 @@ def _jit_steps():
     cases.append(("jg.jit Haiku MNIST update", example["update"],
                   (params, example["opt"].init(params), next(example["batches"](data, 32, 0)))))
     for name, step, args in cases:
+        if models and not any(m == name or m in name for m in models):
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = step.graph(*args)

@@ -558,7 +558,7 @@ def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
     if eqn.op == "cond":  # XLA colocates an output with a branch's root, and a branch's
         # parameter with its operand: a branch returning its parameter writes over the operand
         found = []
-        for out, i in zip(k.writes, range(len(eqn.outputs)), strict=False):
+        for i, out in enumerate(k.writes[:len(eqn.outputs)]):
             for branch in eqn.params["branches"]:
                 result = branch.outputs[i]
                 if result in branch.inputs:
