@@ -236,7 +236,7 @@ def _measured(target: Target, lowered, options: dict, mode: str,
 
 # -- the figure cache ------------------------------------------------------------------------------
 _CACHE: dict[str, CompiledMemory] = {}
-FORMAT = 4  # of what a cached entry holds
+FORMAT = 5  # of what a cached entry holds
 
 
 def _versions() -> tuple:

@@ -31,7 +31,10 @@ _SCOPE = re.compile(r'op_name="[^"]*?/e(\d+)/')
 def read(hlo: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
     """(eqns whose value an instruction of the entry computation writes, eqns computed only
     inside fusions, and (eqn, elements) of each array the entry's instructions write), by index
-    in the graph, from compiled HLO text."""
+    in the graph, from compiled HLO text. A fusion writes its fused computation's root, whose
+    eqn its own name need not be (XLA:CPU names a YNNPACK fusion of `exp(s - max(s))` after
+    the `reduce_max`)."""
+    roots = _roots(hlo)
     entry, inside, written = set(), set(), set()
     computation = None
     for line in hlo.splitlines():
@@ -42,13 +45,32 @@ def read(hlo: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, i
         if found is None:
             continue
         index = int(found.group(1))
-        (entry if computation == "entry" else inside).add(index)
-        shape = _ARRAY.match(line) if computation == "entry" else None
+        if computation != "entry":
+            inside.add(index)
+            continue
+        called = _CALLS.search(line)
+        index = roots.get(called.group(1), index) if called else index
+        entry.add(index)
+        shape = _ARRAY.match(line)
         if shape is not None:
             written.add((index, int(np.prod([int(d) for d in shape.group(1).split(",") if d]))))
     return tuple(sorted(entry)), tuple(sorted(inside - entry)), tuple(sorted(written))
 
 
+def _roots(hlo: str) -> dict[str, int]:
+    """The eqn each fused computation's root computes, by the computation's name."""
+    roots, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():
+            name = line.split(" ", 1)[0].lstrip("%")
+        elif line.lstrip().startswith("ROOT ") and name is not None:
+            found = _SCOPE.search(line)
+            if found is not None:
+                roots[name] = int(found.group(1))
+    return roots
+
+
+_CALLS = re.compile(r" fusion\(.*calls=%([\w.\-]+)")
 _ARRAY = re.compile(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]")  # an array result (not a tuple)
 
 
