@@ -11,6 +11,7 @@ there); this module sits above it, the planner and the backward pass it drives, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -24,7 +25,7 @@ from jgraph.ir import Eqn, Graph
 from jgraph.planner import remat_under_budget
 from jgraph.planner import validate as planner_validate
 from jgraph.planner.least import least_of, pooled
-from jgraph.planner.search import forward_and_tail, step_rewritten
+from jgraph.planner.search import confirm, deferred, forward_and_tail, step_rewritten
 from jgraph.planner.validate import predicted_smaller, xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
 from jgraph.target import Target, measuring_on, resolve
@@ -145,7 +146,8 @@ def _with_policy_in_loops(graph: Graph, policy) -> Graph:
 
 
 # -- below what recomputation reaches ------------------------------------------------------------
-def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) -> Graph:
+def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None,
+             defer: bool = True) -> Graph:
     """The plan under `budget` over a plan space beyond recomputation: a step graph's updates
     are fused where their gradients are made (`jg.fuse_updates`, in every graph the planner
     measures), and the loss head of a graph `jg.backward` returned, run over chunks of rows
@@ -157,7 +159,8 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     error. `info["remat"]` says what was fused and chunked. A step left without its grads
     (`without_grads`) is planned as the step with them, whose loop modes the planner derives,
     and each graph measured leaves them out again; a percentage is of the step as given."""
-    given, reference = graph, None
+    given = given_graph = graph
+    reference = None
     finish = _fused(then) if any(r in STATE_OF for r in graph.output_roles) else None
     restored = with_grads(graph)
     if restored is not None:  # a step without its grads: planned with them, left out after
@@ -170,7 +173,9 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     finish = _memo(finish)
     unplanned = without_regions(graph)  # one compile calibrates the model for every attempt
     counts = {}  # the chunks each chunked attempt asked for, by its place in `results`
-    with pooled() as pool:  # the least plans of every attempt, compiled together at the end
+    with pooled() as pool, (deferred() if defer else contextlib.nullcontext()):
+        # the least plans of every attempt compiled together at the end, and of the plans
+        # fitting the model only the one taken (`confirm`)
         results = [_attempt(graph, budget, planner, finish, reference, calibrated_by=unplanned)]
         if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
                 and results[0][1] is None):
@@ -203,8 +208,14 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     fitting = [r for r in fitting
                if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
     if fitting:
-        return _timed(min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
-                                                  r[0].info["remat"]["xla_temp"]))[0], results)
+        taken = min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
+                                            r[0].info["remat"]["xla_temp"]))[0]
+        started = time.perf_counter()
+        confirmed = confirm(taken)
+        if confirmed is None:  # the model's choice misses: every attempt confirms its own
+            return _planned(given_graph, budget, planner, chunks, then, defer=False)
+        compiling = time.perf_counter() - started
+        return _timed(confirmed, results + [(None, None, None, 0, 0.0, compiling)])
     if pool:  # the least plans the model put least over every attempt, compiled together
         results = [r for r in results if r[0] is None] + [_least_pooled(pool)]
     least = min(results, key=lambda r: r[3])

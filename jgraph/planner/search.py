@@ -40,6 +40,8 @@ XLA took to compile the plans it checked.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import time
 import warnings
@@ -304,6 +306,9 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
         predicted = info["xla_temp"]
         if predicted > target:  # the model's least plan: the compiler decides
             break
+        if _DEFERRED.get():  # compiled once the caller has chosen among its searches
+            return _said(found.replace(info={**found.info, "remat": {
+                **info, "confirmed": "deferred"}}), said)
         there = validate.xla_figures(found)
         if there.fits and there.budget_bytes <= target:
             confirmed = {**info, "xla_temp": there.budget_bytes, "model_temp": predicted,
@@ -313,6 +318,40 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
             return _said(found.replace(info={**found.info, "remat": confirmed}), said)
         fitted = fitted.corrected(predicted, fitted.fit_of(there))
     return search()
+
+
+_DEFERRED: contextvars.ContextVar = contextvars.ContextVar("jgraph_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred():
+    """Inside, a search whose plan fits the model returns it uncompiled
+    (`info["remat"]["confirmed"] == "deferred"`, its `xla_temp` the model's): `jg.remat`
+    weighs the plans of its attempts (the loss head whole and in chunks) on the model, and
+    compiles only the one it takes (`confirm`), not one per attempt."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def confirm(graph: Graph) -> Graph | None:
+    """A plan `deferred` returned, compiled (on TPU at its budget's size): the plan with the
+    compiled figure where it meets its budget, None where it does not. Any other graph is
+    returned as it is."""
+    info = graph.info["remat"]
+    if info.get("confirmed") != "deferred":
+        return graph
+    with validate.at_budget(info["budget"]):
+        there = validate.xla_figures(graph)
+    if not there.fits or there.budget_bytes > info["budget"]:
+        return None
+    confirmed = {**info, "xla_temp": there.budget_bytes, "model_temp": info["xla_temp"],
+                 "confirmed": there.hbm_mode or "compiled"}
+    if info.get("plan") == "no remat" and "finished_temp" in info:
+        confirmed["finished_temp"] = there.budget_bytes  # the finished step, compiled
+    return graph.replace(info={**graph.info, "remat": confirmed})
 
 
 def _said(graph: Graph, said: list) -> Graph:
