@@ -146,8 +146,7 @@ def _with_policy_in_loops(graph: Graph, policy) -> Graph:
 
 
 # -- below what recomputation reaches ------------------------------------------------------------
-def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None,
-             defer: bool = True) -> Graph:
+def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) -> Graph:
     """The plan under `budget` over a plan space beyond recomputation: a step graph's updates
     are fused where their gradients are made (`jg.fuse_updates`, in every graph the planner
     measures), and the loss head of a graph `jg.backward` returned, run over chunks of rows
@@ -156,11 +155,14 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None,
     blocks of queries and the regions inside its loops' bodies chunked too.
     Of the options that meet the budget the one recomputing least is returned (then the
     smaller temp); when none does, the one reaching the least temp, with its warning or
-    error. `info["remat"]` says what was fused and chunked. A step left without its grads
-    (`without_grads`) is planned as the step with them, whose loop modes the planner derives,
-    and each graph measured leaves them out again; a percentage is of the step as given."""
-    given = given_graph = graph
-    reference = None
+    error. Each attempt's plan is weighed on the model and only the one taken is compiled
+    (`jgraph.planner.search.deferred`); where that compile misses the budget, that attempt is
+    planned again confirming its own plan (its model corrected by the compile), the others'
+    plans kept, and the choice made again. `info["remat"]` says what was fused and chunked. A
+    step left without its grads (`without_grads`) is planned as the step with them, whose loop
+    modes the planner derives, and each graph measured leaves them out again; a percentage is
+    of the step as given."""
+    given, reference = graph, None
     finish = _fused(then) if any(r in STATE_OF for r in graph.output_roles) else None
     restored = with_grads(graph)
     if restored is not None:  # a step without its grads: planned with them, left out after
@@ -172,50 +174,27 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None,
         reference = xla_temp(given if then is None else then(given))
     finish = _memo(finish)
     unplanned = without_regions(graph)  # one compile calibrates the model for every attempt
-    counts = {}  # the chunks each chunked attempt asked for, by its place in `results`
-    with pooled() as pool, (deferred() if defer else contextlib.nullcontext()):
-        # the least plans of every attempt compiled together at the end, and of the plans
-        # fitting the model only the one taken (`confirm`)
-        results = [_attempt(graph, budget, planner, finish, reference, calibrated_by=unplanned)]
-        if not (results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat"
-                and results[0][1] is None):
-            # the head and the token-wise MLPs in chunks; then attention in blocks and the
-            # regions inside the loops' bodies too, while every plan that fits recomputes (a
-            # chunk of whole examples costs less time than recomputing a layer); then all of
-            # them over more chunks, each count only while nothing fits with fewer (a chunk's
-            # contractions thinner, slower: the fewest chunks that fit are taken)
-            found = 0
-            for count, more in _chunk_attempts(chunks):
-                if more and (any(_fits(r) and not _recomputes(r) for r in results)
-                             or count > chunks and any(_fits(r) for r in results)):
-                    break  # (planned only when they may save time or memory)
-                chunked = _chunked(graph, count, more)
-                if chunked is None or (count, len(chunked.info["chunk_rows"]["regions"])) \
-                        == found:
-                    continue
-                found = (count, len(chunked.info["chunk_rows"]["regions"]))
-                if _small_chunks(chunked.info["chunk_rows"]["regions"]) and _fits(results[0]):
-                    continue  # (small chunks are taken only when nothing else fits: not planned)
-                reference = reference or xla_temp(unplanned)  # a share of the given
-                before = len(pool)
-                results.append(_attempt(graph, budget, planner, finish, reference,
-                                        _rows_in_chunks(count, more), chunked, unplanned))
-                counts[len(results) - 1] = count
-                if len(pool) > before:  # its least plans: say what is chunked, if one is taken
-                    pool[-1].info["chunked"] = chunked.info["chunk_rows"]["regions"]
-                    pool[-1].info["chunks"] = count
-    fitting = [r for r in results if _fits(r)]
-    fitting = [r for r in fitting
-               if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
-    if fitting:
-        taken = min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
-                                            r[0].info["remat"]["xla_temp"]))[0]
-        started = time.perf_counter()
-        confirmed = confirm(taken)
-        if confirmed is None:  # the model's choice misses: every attempt confirms its own
-            return _planned(given_graph, budget, planner, chunks, then, defer=False)
-        compiling = time.perf_counter() - started
-        return _timed(confirmed, results + [(None, None, None, 0, 0.0, compiling)])
+    known, confirming = {}, set()  # attempts made, by chunks; those confirming their own plan
+    compiling = 0.0
+    with pooled() as pool:  # the least plans of every attempt, compiled together at the end
+        while True:
+            results, counts = _attempts(graph, budget, planner, chunks, finish, reference,
+                                        unplanned, pool, known, confirming)
+            fitting = [r for r in results if _fits(r)]
+            fitting = [r for r in fitting
+                       if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
+            if not fitting:
+                break
+            taken = min(fitting, key=lambda r: (r[0].info["remat"]["recompute_flops"],
+                                                r[0].info["remat"]["xla_temp"]))
+            started = time.perf_counter()
+            confirmed = confirm(taken[0])
+            compiling += time.perf_counter() - started
+            if confirmed is not None:
+                return _timed(confirmed, results + [(None, None, None, 0, 0.0, compiling)])
+            missed = next(key for key, r in known.items() if r is taken)
+            confirming.add(missed)
+            del known[missed]
     if pool:  # the least plans the model put least over every attempt, compiled together
         results = [r for r in results if r[0] is None] + [_least_pooled(pool)]
     least = min(results, key=lambda r: r[3])
@@ -235,6 +214,49 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None,
     if problem is None:  # (the least plan compiled meets the budget after all)
         return graph_
     raise problem
+
+
+def _attempts(graph: Graph, budget, planner: str, chunks: int | None, finish, reference,
+              unplanned: Graph, pool: list, known: dict, confirming: set):
+    """(`_attempt`'s tuples, {their place: chunks asked for}) of the graph as it is and of its
+    chunked rewrites (`_planned`), each made once (`known`, by chunks): deferred
+    (`jgraph.planner.search.deferred`) unless its deferred plan missed (`confirming`)."""
+    def attempt(key, *args):
+        if key not in known:
+            with contextlib.nullcontext() if key in confirming else deferred():
+                known[key] = _attempt(graph, budget, planner, finish, reference, *args)
+        return known[key]
+
+    counts = {}
+    results = [attempt(None, None, None, unplanned)]
+    if results[0][0] is not None and results[0][0].info["remat"]["plan"] == "no remat" \
+            and results[0][1] is None:
+        return results, counts
+    # the head and the token-wise MLPs in chunks; then attention in blocks and the regions
+    # inside the loops' bodies too, while every plan that fits recomputes (a chunk of whole
+    # examples costs less time than recomputing a layer); then all of them over more chunks,
+    # each count only while nothing fits with fewer (a chunk's contractions thinner, slower:
+    # the fewest chunks that fit are taken)
+    found = 0
+    for count, more in _chunk_attempts(chunks):
+        if more and (any(_fits(r) and not _recomputes(r) for r in results)
+                     or count > chunks and any(_fits(r) for r in results)):
+            break  # (planned only when they may save time or memory)
+        chunked = _chunked(graph, count, more)
+        if chunked is None or (count, len(chunked.info["chunk_rows"]["regions"])) == found:
+            continue
+        found = (count, len(chunked.info["chunk_rows"]["regions"]))
+        if _small_chunks(chunked.info["chunk_rows"]["regions"]) and _fits(results[0]):
+            continue  # (small chunks are taken only when nothing else fits: not planned)
+        reference = reference or xla_temp(unplanned)  # a share of the given
+        before = len(pool)
+        results.append(attempt((count, more), _rows_in_chunks(count, more), chunked,
+                               unplanned))
+        counts[len(results) - 1] = count
+        if len(pool) > before:  # its least plans: say what is chunked, if one is taken
+            pool[-1].info["chunked"] = chunked.info["chunk_rows"]["regions"]
+            pool[-1].info["chunks"] = count
+    return results, counts
 
 
 def _fits(result) -> bool:

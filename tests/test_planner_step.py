@@ -214,11 +214,8 @@ def test_of_plans_the_model_cannot_tell_apart_the_least_recompute_is_compiled():
                                                         donate_argnums=(0, 1)))
 
 
-def test_of_the_plans_each_attempt_finds_only_the_one_taken_is_compiled(count_compiles):
-    """Residual MLP blocks and a 1024-word head over 2048 rows at 80 %: with the head whole
-    the plan recomputes every block; with the head in chunks nothing needs recomputing. Both
-    plans fit the model, and only the one taken (the chunked head, recomputing nothing) is
-    compiled, beside the unplanned step: each attempt compiled its own plan (3 compiles)."""
+def mlp_and_head():
+    """(loss, params, x, y): residual MLP blocks and a 1024-word head over 2048 rows."""
     k = jax.random.split(jax.random.PRNGKey(2), 7)
     blocks = [(jax.random.normal(k[i], (64, 256)) / 8, jax.random.normal(k[i + 1], (256, 64)) / 16)
               for i in range(0, 4)]
@@ -230,6 +227,15 @@ def test_of_the_plans_each_attempt_finds_only_the_one_taken_is_compiled(count_co
             x = x + jnp.tanh(x @ w1) @ w2
         return optax.softmax_cross_entropy_with_integer_labels(x @ p["out"], y).mean()
 
+    return model, params, x, y
+
+
+def test_of_the_plans_each_attempt_finds_only_the_one_taken_is_compiled(count_compiles):
+    """`mlp_and_head` at 80 %: with the head whole the plan recomputes every block; with the
+    head in chunks nothing needs recomputing. Both plans fit the model, and only the one taken
+    (the chunked head, recomputing nothing) is compiled, beside the unplanned step: each
+    attempt compiled its own plan (3 compiles)."""
+    model, params, x, y = mlp_and_head()
     gb = jg.backward(jg.trace(model, params, x, y, param_argnums=0))
     compiles = count_compiles()
     gr = jg.remat(gb, budget="80%")
@@ -242,6 +248,31 @@ def test_of_the_plans_each_attempt_finds_only_the_one_taken_is_compiled(count_co
     got, want = jg.compile(gr)(params, x, y), jax.value_and_grad(model)(params, x, y)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_plan_taken_that_misses_is_planned_again_alone(monkeypatch):
+    """Where the compile of the plan taken misses the budget (made to here, once), that
+    attempt is planned again, confirming its own plan, and the other attempt's plan is kept,
+    not planned again: three plannings for two attempts, and the plan returned is compiled
+    and within the budget."""
+    remat_module = importlib.import_module("jgraph.remat")
+    real_confirm, attempt = remat_module.confirm, remat_module._attempt
+    confirms, attempts = [], []
+
+    def missing_once(graph):
+        confirms.append(graph.info["remat"].get("confirmed"))
+        return None if len(confirms) == 1 else real_confirm(graph)
+
+    monkeypatch.setattr(remat_module, "confirm", missing_once)
+    monkeypatch.setattr(remat_module, "_attempt",
+                        lambda *a, **kw: attempts.append(a) or attempt(*a, **kw))
+    model, params, x, y = mlp_and_head()
+    gb = jg.backward(jg.trace(model, params, x, y, param_argnums=0))
+    gr = jg.remat(gb, budget="80%")
+    report = gr.info["remat"]
+    assert confirms[0] == "deferred" and len(attempts) == 3, (confirms, len(attempts))
+    assert report["confirmed"] == "compiled", report
+    assert report["xla_temp"] == jg.compiled_memory(gr).temp_bytes <= report["budget"]
 
 
 def test_the_planning_time_reported_covers_every_attempt(monkeypatch):
