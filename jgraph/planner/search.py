@@ -311,11 +311,7 @@ def _confirmed(search, plain: Graph, target: int) -> Graph:
                 **info, "confirmed": "deferred"}}), said)
         there = validate.xla_figures(found)
         if there.fits and there.budget_bytes <= target:
-            confirmed = {**info, "xla_temp": there.budget_bytes, "model_temp": predicted,
-                         "confirmed": there.hbm_mode or "compiled"}
-            if info.get("plan") == "no remat" and "finished_temp" in info:
-                confirmed["finished_temp"] = there.budget_bytes  # the finished step, compiled
-            return _said(found.replace(info={**found.info, "remat": confirmed}), said)
+            return _said(_compiled(found, there), said)
         fitted = fitted.corrected(predicted, fitted.fit_of(there))
     return search()
 
@@ -347,11 +343,17 @@ def confirm(graph: Graph) -> Graph | None:
         there = validate.xla_figures(graph)
     if not there.fits or there.budget_bytes > info["budget"]:
         return None
+    return _compiled(graph, there)
+
+
+def _compiled(plan: Graph, there) -> Graph:
+    """`plan`, found on the model, with the figure its compile (`there`) showed."""
+    info = plan.info["remat"]
     confirmed = {**info, "xla_temp": there.budget_bytes, "model_temp": info["xla_temp"],
                  "confirmed": there.hbm_mode or "compiled"}
     if info.get("plan") == "no remat" and "finished_temp" in info:
         confirmed["finished_temp"] = there.budget_bytes  # the finished step, compiled
-    return graph.replace(info={**graph.info, "remat": confirmed})
+    return plan.replace(info={**plan.info, "remat": confirmed})
 
 
 def _said(graph: Graph, said: list) -> Graph:
