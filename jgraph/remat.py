@@ -15,6 +15,7 @@ import contextlib
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
 
 from jgraph.backward import rederived
 from jgraph.check import validate
@@ -174,12 +175,12 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
         reference = xla_temp(given if then is None else then(given))
     finish = _memo(finish)
     unplanned = without_regions(graph)  # one compile calibrates the model for every attempt
-    known, confirming = {}, set()  # attempts made, by chunks; those confirming their own plan
+    made = _Made()
     compiling = 0.0
     with pooled() as pool:  # the least plans of every attempt, compiled together at the end
         while True:
             results, counts = _attempts(graph, budget, planner, chunks, finish, reference,
-                                        unplanned, pool, known, confirming)
+                                        unplanned, pool, made)
             fitting = [r for r in results if _fits(r)]
             fitting = [r for r in fitting
                        if not _small_chunks(r[0].info["remat"].get("chunked") or ())] or fitting
@@ -192,9 +193,9 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
             compiling += time.perf_counter() - started
             if confirmed is not None:
                 return _timed(confirmed, results + [(None, None, None, 0, 0.0, compiling)])
-            missed = next(key for key, r in known.items() if r is taken)
-            confirming.add(missed)
-            del known[missed]
+            missed = next(key for key, r in made.attempts.items() if r is taken)
+            made.confirming.add(missed)
+            del made.attempts[missed]
     if pool:  # the least plans the model put least over every attempt, compiled together
         results = [r for r in results if r[0] is None] + [_least_pooled(pool)]
     least = min(results, key=lambda r: r[3])
@@ -216,16 +217,27 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     raise problem
 
 
+@dataclass
+class _Made:
+    """What `_planned`'s passes over its attempts share, by chunks asked for (None: the graph
+    as it is): each attempt's tuple, each chunked rewrite, and the attempts that confirm their
+    own plan (their deferred plan missed)."""
+
+    attempts: dict = field(default_factory=dict)
+    rewrites: dict = field(default_factory=dict)
+    confirming: set = field(default_factory=set)
+
+
 def _attempts(graph: Graph, budget, planner: str, chunks: int | None, finish, reference,
-              unplanned: Graph, pool: list, known: dict, confirming: set):
+              unplanned: Graph, pool: list, made: _Made):
     """(`_attempt`'s tuples, {their place: chunks asked for}) of the graph as it is and of its
-    chunked rewrites (`_planned`), each made once (`known`, by chunks): deferred
-    (`jgraph.planner.search.deferred`) unless its deferred plan missed (`confirming`)."""
+    chunked rewrites (`_planned`), each made once (`made`): deferred
+    (`jgraph.planner.search.deferred`) unless its deferred plan missed."""
     def attempt(key, *args):
-        if key not in known:
-            with contextlib.nullcontext() if key in confirming else deferred():
-                known[key] = _attempt(graph, budget, planner, finish, reference, *args)
-        return known[key]
+        if key not in made.attempts:
+            with contextlib.nullcontext() if key in made.confirming else deferred():
+                made.attempts[key] = _attempt(graph, budget, planner, finish, reference, *args)
+        return made.attempts[key]
 
     counts = {}
     results = [attempt(None, None, None, unplanned)]
@@ -242,7 +254,9 @@ def _attempts(graph: Graph, budget, planner: str, chunks: int | None, finish, re
         if more and (any(_fits(r) and not _recomputes(r) for r in results)
                      or count > chunks and any(_fits(r) for r in results)):
             break  # (planned only when they may save time or memory)
-        chunked = _chunked(graph, count, more)
+        if (count, more) not in made.rewrites:
+            made.rewrites[count, more] = _chunked(graph, count, more)
+        chunked = made.rewrites[count, more]
         if chunked is None or (count, len(chunked.info["chunk_rows"]["regions"])) == found:
             continue
         found = (count, len(chunked.info["chunk_rows"]["regions"]))
