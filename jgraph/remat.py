@@ -23,6 +23,7 @@ from jgraph.chunk import chunk_rows
 from jgraph.errors import BudgetWarning, TransformError
 from jgraph.fuse import STATE_OF, fuse_updates, with_grads, without_grads
 from jgraph.ir import Eqn, Graph
+from jgraph.planner import cache as plans
 from jgraph.planner import remat_under_budget
 from jgraph.planner import validate as planner_validate
 from jgraph.planner.least import least_of, pooled
@@ -86,7 +87,7 @@ def remat(graph: Graph, policy=None, *, budget=None, planner: str = "auto",
         if policy is not None:
             raise TransformError("remat: give either policy= or budget=, not both")
         with measuring_on(target) as where:
-            return _recorded(_on_target(_planned(graph, budget, planner, chunks), where), graph)
+            return _recorded(_kept_plan(graph, budget, planner, chunks, None, where), graph)
     if target is not None:
         resolve(target)  # (a bad target is an error however it is used)
     if planner != "auto":
@@ -117,7 +118,37 @@ def planned_then(graph: Graph, then, *, budget, planner: str = "auto",
     `then(graph)`'s figure without remat."""
     validate(graph, "jg.remat")
     with measuring_on(target) as where:
-        return _on_target(_planned(graph, budget, planner, chunks, then), where)
+        return _kept_plan(graph, budget, planner, chunks, then, where)
+
+
+def _kept_plan(graph: Graph, budget, planner: str, chunks: int | None, then,
+               target: Target) -> Graph:
+    """The plan `_planned` makes, or the one it made before of the same graph, budget and kind
+    of target (`jgraph.planner.cache`: in the process, and on disk when a directory is named);
+    a kept plan that met no percentage warns again, and says where it was found
+    (`info["remat"]["cached"]`)."""
+    key = plans.key(graph, None if then is None else then(graph), budget, planner, chunks,
+                    target)
+    found = plans.get(key)
+    if found is not None:
+        kept, where = found
+        if kept.warning is not None:
+            warnings.warn(kept.warning, stacklevel=3)
+        return kept.plan.replace(info={**kept.plan.info, "remat": {
+            **kept.plan.info["remat"], "cached": where}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BudgetWarning)
+        plan = _on_target(_planned(graph, budget, planner, chunks, then), target)
+    warned = next((w.message for w in caught if issubclass(w.category, BudgetWarning)), None)
+    if plan is not None:
+        info = {k: v for k, v in plan.info.items() if k != "unplanned"}
+        plans.put(key, plans.Kept(plan.replace(info=info), warned))
+    for w in caught:  # given again as they came, the budget's at the caller's call
+        if issubclass(w.category, BudgetWarning):
+            warnings.warn(w.message, stacklevel=3)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return plan
 
 
 def _on_target(graph: Graph, target: Target) -> Graph:

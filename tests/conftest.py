@@ -57,6 +57,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def _plans_planned_afresh():
+    """Each test plans its budgets itself: the plans an earlier test made are forgotten
+    (`jgraph.planner.cache`; `tests/test_plan_cache.py` tests the cache)."""
+    from jgraph.planner import cache
+
+    cache.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _x64_scope(request):
     """x64 off (JAX's default) unless the test is marked `f64`; restored after every test."""
     with jax.enable_x64(request.node.get_closest_marker("f64") is not None):

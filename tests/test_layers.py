@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent / "jgraph"
 LAYERS = [
     ["errors", "config", "_jax_internals", "checkpoint"],   # nothing of jgraph
     ["ir"],                        # Var, Literal, Eqn, Graph; field checks; the text form
-    ["ops", "opkinds", "plot", "target", "naming", "roles"],  # op tables; XLA per op; targets;
-    # errors; which input each output updates
+    ["ops", "opkinds", "plot", "target", "naming", "roles", "digest"],  # op tables; XLA per op;
+    # targets; errors; which input each output updates; a graph's digest
     ["passes", "policies", "custom_lowering"],
     ["builder"],                   # the tracer's eqn builder and its handler table
     ["control_flow", "effects", "custom_derivatives"],   # tracer handlers and their ops

@@ -239,7 +239,9 @@ _CACHE: dict[str, CompiledMemory] = {}
 FORMAT = 5  # of what a cached entry holds
 
 
-def _versions() -> tuple:
+def versions() -> tuple:
+    """The jax, jaxlib and libtpu versions (None where not installed): what a cached figure or
+    plan is of."""
     found = []
     for package in ("jax", "jaxlib", "libtpu"):
         try:
@@ -250,7 +252,7 @@ def _versions() -> tuple:
 
 
 def _cache_key(target: Target, options: dict, lowered, mode: str) -> str:
-    what = repr((target.key, sorted(options.items()), mode, _versions(), FORMAT))
+    what = repr((target.key, sorted(options.items()), mode, versions(), FORMAT))
     digest = hashlib.sha256(what.encode())
     digest.update(lowered.as_text().encode())
     return digest.hexdigest()

@@ -36,8 +36,9 @@ import numpy as np
 import optax
 from jax.core import ShapedArray
 
+from jgraph import digest
 from jgraph.config import __version__
-from jgraph.ir import Graph, Literal, Var
+from jgraph.ir import Graph, Var
 from jgraph.training.graphs import tuple_tree
 from jgraph.training.optimizer_step import optimizer_step
 
@@ -46,7 +47,6 @@ _MAX_DEPTH = 10  # of a transformation's closures
 _MAX_ITEMS = 32  # per container described
 _MAX_CHARS = 4000  # of a description
 _SMALL_ARRAY = 16  # arrays up to this size are described by value
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a repr's memory address differs per process
 # A state file moves between meshes of any size, or none: where values live is not what the model
 # computes, so sharding params are left out (`sharding=NamedSharding(mesh=AbstractMesh('data': 4,
 # axis_types=(Auto,), ...), spec=P(None,))`: the mesh first, then the one level of parentheses left)
@@ -55,25 +55,10 @@ _SHARDING = re.compile(r" ?sharding=\w*Sharding\((?:[^()]|\([^()]*\))*\)")
 
 
 def _placement_free(text: str) -> str:
-    return _SHARDING.sub("", _MESH.sub("Mesh", _ADDRESS.sub("", text)))
+    return _SHARDING.sub("", _MESH.sub("Mesh", digest.ADDRESS.sub("", text)))
 
 
 # -- the model ----------------------------------------------------------------------------------
-def _literals(graph: Graph):
-    """The array constants of `graph` and its sub-graphs, in schedule order."""
-    for eqn in graph.eqns:
-        for a in eqn.inputs:
-            if isinstance(a, Literal) and np.ndim(a.value) > 0:
-                yield a
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple) else (value,):
-                if isinstance(sub, Graph):
-                    yield from _literals(sub)
-    for a in graph.outputs:
-        if isinstance(a, Literal) and np.ndim(a.value) > 0:
-            yield a
-
-
 def _op_counts(graph: Graph, counts: collections.Counter) -> collections.Counter:
     for eqn in graph.eqns:
         counts[eqn.op] += 1
@@ -85,14 +70,9 @@ def _op_counts(graph: Graph, counts: collections.Counter) -> collections.Counter
 
 
 def graph_digest(graph: Graph) -> str:
-    """SHA-256 of `str(graph)` (addresses removed) and of its array constants' bytes."""
-    digest = hashlib.sha256(_placement_free(str(graph)).encode())
-    for lit in _literals(graph):
-        try:
-            digest.update(np.ascontiguousarray(lit.value).tobytes())
-        except (TypeError, ValueError):  # a typed PRNG key: its key data
-            digest.update(np.asarray(jax.random.key_data(lit.value)).tobytes())
-    return digest.hexdigest()
+    """SHA-256 of `str(graph)` (addresses and shardings removed) and of its array constants'
+    bytes (`jgraph.digest`)."""
+    return digest.graph_digest(graph, edit=_placement_free)
 
 
 def model_fingerprint(graph: Graph) -> dict:
@@ -227,14 +207,14 @@ def _array(a) -> str:
         return f"{a.dtype}{list(np.shape(a))}"
     if host.size <= _SMALL_ARRAY:
         return f"{host.dtype}{list(host.shape)}{host.ravel().tolist()}"
-    digest = hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest()[:12]
-    return f"{host.dtype}{list(host.shape)}#{digest}"
+    sha = hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest()[:12]
+    return f"{host.dtype}{list(host.shape)}#{sha}"
 
 
 def describe(tx) -> str:
     """An optax transformation as the factories and hyperparameters its closures show, e.g.
     `chain(scale_by_adam(b1=0.9, b2=0.999, ...), scale(step_size=-0.01))`; addresses removed."""
-    text = _ADDRESS.sub("", _Describer()(tx))
+    text = digest.ADDRESS.sub("", _Describer()(tx))
     return text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS] + "..."
 
 
