@@ -43,6 +43,7 @@ from jgraph.chunk.emit import (
     to_chunks,
     zeros,
 )
+from jgraph.chunk.examples import over_examples
 from jgraph.chunk.find import Head, batched_gathers, find_head
 from jgraph.chunk.interior import chunk_interior, interior_regions
 from jgraph.errors import TransformError
@@ -55,7 +56,7 @@ DERIVED = frozenset({"grad", "new_accumulator", "new_param"})
 
 
 def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
-               attention: bool = True, loops: bool = True) -> Graph:
+               attention: bool = True, loops: bool = True, examples: bool = False) -> Graph:
     """`graph` with its loss head run over chunks of rows, its backward in the same loop.
 
     The rows are split along one row axis (one the chunks divide if any): `ceil(rows / chunks)`
@@ -69,6 +70,9 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
             recomputes each chunk.
         attention: also run attention over blocks of queries (`jgraph.chunk.blocks`).
         loops: also look inside scans' bodies (a scanned model's layer).
+        examples: run a scan's whole body over chunks of examples where it computes each
+            example of its carries alone (a scanned model's layer: `jgraph.chunk.examples`),
+            in place of the regions inside it.
 
     Returns:
         The chunked `Graph`. `info["chunk_rows"]` is `{"reason": None, "regions": [{...}, ...]}`,
@@ -77,6 +81,9 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
         constants (the head's entry also its `eqns`, first and last position in the forward graph;
         a block region's `rows` are its end's shape, `axis` its block axis there, `read_whole` the
         keys and values every block reads; a region inside a scan's body has `in`: "scan body");
+        a scanned layer over chunks of examples has kind "examples", `rows` its widest carry's
+        rows and `chunk_rows` the examples per chunk (with `examples`, `examples_left` says
+        why each scan whose body was not so chunked was not);
         `head` says why the head was not chunked when only interior regions were. When nothing
         was worth chunking it is `{"reason": why, "regions": []}` and the graph's eqns are
         unchanged.
@@ -104,20 +111,23 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
     forward = batched_gathers(dce(forward))
     loss = forward.outputs_with_role("loss")[0]
     head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
-    found = []
+    found, left = [], [] if examples and loops and interior else None
     if interior:
         forward, found = _network(forward, set(head.eqns if head else ()), chunks, attention,
-                                  loops)
+                                  loops, examples=left)
     if found:  # the joint graph derived again from the forward with them in loops (and with
         # the policy it was derived with inside its loops: a planner's loop mode)
         graph = backward(forward, loop_policy=graph.info.get("loop_policy"))
         seed = graph.info["loss_seed"]
         head, why = find_head(forward, loss, needs_gradient(forward, loss), seed)
+    said = {} if left is None else {"examples_left": left}  # why a scan's body was not
     if head is None:
         if not found:
-            return _unchanged(graph, why)
+            done = _unchanged(graph, why)
+            return done.replace(info={**done.info, "chunk_rows": {
+                **done.info["chunk_rows"], **said}})
         return graph.replace(info={**_info(graph), "chunk_rows": {
-            "reason": None, "regions": found, "head": why}})
+            "reason": None, "regions": found, "head": why, **said}})
     needs = needs_gradient(forward, loss)
     axis, size, n, rest = split_rows(head.rows, chunks)
     joint, inner = _derive(graph, forward, head, needs, axis, size, n, rest)
@@ -128,15 +138,18 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
         "remainder": rest, "row_inputs": [short_aval(v.aval) for v in head.row_inputs],
         "consts": [short_aval(v.aval) for v in head.consts], "eqns_per_chunk": inner,
     })
-    return joint.replace(info={**_info(graph), "chunk_rows": {"reason": None, "regions": found}})
+    return joint.replace(info={**_info(graph), "chunk_rows": {"reason": None, "regions": found,
+                                                              **said}})
 
 
 def _network(forward: Graph, exclude, chunks: int, attention: bool, loops: bool,
-             computed: bool = False):
+             computed: bool = False, examples: list | None = None):
     """(`forward` with its regions inside the network in loops over chunks, what was done):
     token-wise MLPs, then attention over blocks of queries, then the same inside each scan's
     body (a scanned model's layer), where only values computed in the body count as keys read
-    whole (its inputs are the layer's weights and carries)."""
+    whole (its inputs are the layer's weights and carries); with `examples` (a list: why each
+    scan's body was not), a scan's whole body over chunks of examples where it computes each
+    example alone."""
     scans = {e for e in forward.eqns if loops and e.op == "scan" and e not in exclude}
     regions = interior_regions(forward, exclude)
     taken = set(exclude) | {e for r in regions for e in r.eqns}
@@ -149,6 +162,13 @@ def _network(forward: Graph, exclude, chunks: int, attention: bool, loops: bool,
     for i, eqn in enumerate(eqns):
         if eqn not in scans:  # (not the loops made here)
             continue
+        if examples is not None:
+            chunked, info = over_examples(eqn, chunks)
+            if chunked is not None:
+                eqns[i] = chunked
+                found.append({**info, "in": "scan"})
+                continue
+            examples.append(f"scan {i}: {info}")
         body, inner = _network(eqn.params["body"], (), chunks, attention, loops, computed=True)
         if inner:
             eqns[i] = dataclasses.replace(eqn, params={**eqn.params, "body": body})

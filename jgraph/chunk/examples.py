@@ -1,0 +1,154 @@
+"""A scanned layer run over chunks of examples: the whole body of a scan, one chunk at a time.
+
+A scanned model's layer computes each example of its carries (the residual stream, `[B, T, d]`)
+from the same example alone: attention mixes the positions of one sequence, never two
+sequences. So the layer's body can run in a scan over chunks of the examples (the carries'
+leading axis), each chunk through every eqn of the layer, and the body's inner scan is a
+checkpoint region saving nothing: the backward loop (`jgraph.vjp_rules.loops`) recomputes each
+chunk and runs its backward, so one chunk's working set (the qkv projection, the scores, the
+MLP's hidden and all their cotangents) exists at a time instead of the whole batch's, and the
+weights' gradients are summed over the chunks as a loop's constants' are.
+
+Which values carry the examples is followed from the carries, not read off shapes (a weight
+whose leading axis happens to equal the batch stays whole): an eqn reading a carried value
+carries them (its params for a chunk come from its row rule, `jgraph.chunk.rows`, with one row
+axis); so does a broadcast or an iota that makes a leading axis of the batch's size from
+constants (a causal mask broadcast to every example, the same for each); any other eqn reads
+only the layer's weights and constants and runs as it is in every chunk. A body any eqn of
+which mixes examples (a norm over the batch), has effects, holds a loop, or whose results
+do not all carry the examples (a per-layer scalar), is left as it is, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jgraph.builder import Builder
+from jgraph.chunk.emit import (
+    emit_scan,
+    from_chunks,
+    join_chunks,
+    rest_chunk,
+    split_rows,
+    to_chunks,
+)
+from jgraph.chunk.rows import NotRowwise, row_params
+from jgraph.errors import TransformError
+from jgraph.ir import Eqn, Graph, Region, Var, short_aval
+from jgraph.naming import while_processing
+from jgraph.ops import has_effects
+
+MAKES_ROWS = frozenset({"broadcast_in_dim", "iota"})  # may make the batch axis from constants
+
+
+@dataclasses.dataclass
+class Layer:
+    """A scan's body found to compute each example of its carries alone."""
+
+    body: Graph
+    rows: int  # the batch: the carries' leading axis
+    carried: set  # the body's values that carry the examples
+    flags: dict  # eqn -> which of its inputs carry the examples (eqns that carry them)
+
+
+def over_examples(scan: Eqn, chunks: int) -> tuple[Eqn | None, dict | str]:
+    """(`scan` with its body over `chunks` chunks of examples, what was done), or (None, why
+    not)."""
+    p = scan.params
+    found = _layer(p["body"], p["num_consts"], p["num_carry"])
+    if isinstance(found, str):
+        return None, found
+    axis, size, n, rest = split_rows((found.rows,), chunks)
+    if n + (rest > 0) < 2:
+        return None, "the batch is a single example"
+    body = _chunked_body(found, p["num_consts"], p["num_carry"], size, n, rest)
+    carries = found.body.inputs[p["num_consts"]:p["num_consts"] + p["num_carry"]]
+    widest = max(carries, key=lambda v: v.aval.size)
+    info = {"kind": "examples", "ops": [e.op for e in found.body.eqns],
+            "rows": tuple(widest.aval.shape[:-1]), "axis": 0, "chunks": n + (rest > 0),
+            "chunk_rows": size, "remainder": rest,
+            "row_inputs": [short_aval(v.aval) for v in carries],
+            "consts": [short_aval(v.aval) for v in found.body.inputs if v not in set(carries)]}
+    return dataclasses.replace(scan, params={**p, "body": body}), info
+
+
+def _layer(body: Graph, n_consts: int, n_carry: int) -> Layer | str:
+    carries = body.inputs[n_consts:n_consts + n_carry]
+    if not carries or any(not v.aval.shape for v in carries):
+        return "a carry without a batch axis"
+    rows = carries[0].aval.shape[0]
+    if any(v.aval.shape[0] != rows for v in carries):
+        return "carries of different leading sizes"
+    layer = Layer(body, rows, set(carries), {})
+    for eqn in body.eqns:
+        flags = tuple(type(a) is Var and a in layer.carried for a in eqn.inputs)
+        makes = (not any(flags) and eqn.op in MAKES_ROWS and eqn.outputs[0].aval.shape
+                 and eqn.outputs[0].aval.shape[0] == rows and _new_leading_axis(eqn))
+        if not any(flags) and not makes:
+            continue  # computed from the weights and constants alone: run as it is
+        if has_effects(eqn) or any(isinstance(v, Graph) for v in eqn.params.values()):
+            return f"`{eqn.op}` in the body ({'effects' if has_effects(eqn) else 'a loop'})"
+        try:
+            row_params(eqn, flags, 1, (rows,))
+        except NotRowwise as e:
+            return f"`{eqn.op}` mixes examples ({e})"
+        layer.flags[eqn] = flags
+        layer.carried.update(eqn.outputs)
+    if any(type(a) is not Var or a not in layer.carried for a in body.outputs):
+        return "a result of the body that does not carry the examples"
+    return layer
+
+
+def _new_leading_axis(eqn: Eqn) -> bool:
+    """A broadcast or iota whose leading axis is new (not an operand's, not counted along)."""
+    if eqn.op == "iota":
+        return eqn.params["dimension"] != 0
+    return 0 not in tuple(eqn.params["broadcast_dimensions"])
+
+
+def _chunked_body(layer: Layer, n_consts: int, n_carry: int, size: int, n: int,
+                  rest: int) -> Graph:
+    """The body: its carries cut into chunks of examples, the layer run over them in a scan
+    whose body saves nothing, the results put back together."""
+    body = layer.body
+    carries = list(body.inputs[n_consts:n_consts + n_carry])
+    whole = [v for v in body.inputs if v not in set(carries)]
+    b = Builder(tags=frozenset(), regions=())
+    xs = [b.call(to_chunks, v, axis=0, n=n, size=size)[0] for v in carries]
+    _, ys = emit_scan(b, _on_chunk(layer, whole, carries, size), whole, [], xs, n)
+    if rest:
+        xs = [b.call(rest_chunk, v, axis=0, start=n * size)[0] for v in carries]
+        _, more = emit_scan(b, _on_chunk(layer, whole, carries, rest), whole, [], xs, 1)
+        outs = [b.call(join_chunks, y, m, axis=0)[0] for y, m in zip(ys, more, strict=True)]
+    else:
+        outs = [b.call(from_chunks, y, axis=0)[0] for y in ys]
+    return body.replace(eqns=tuple(b.eqns), outputs=tuple(outs), regions=())
+
+
+def _on_chunk(layer: Layer, whole: list[Var], carries: list[Var], size: int) -> Graph:
+    """(the weights and constants, a chunk of each carry) -> every result on the chunk, in a
+    checkpoint region that saves nothing."""
+    consts = [Var(v.aval) for v in whole]
+    chunk = [Var(v.aval.update(shape=(size,) + v.aval.shape[1:])) for v in carries]
+    env = dict(zip(whole, consts, strict=True)) | dict(zip(carries, chunk, strict=True))
+    b = Builder(regions=(0,))
+    for eqn in layer.body.eqns:
+        b.source = eqn.source
+        flags = layer.flags.get(eqn)
+        with while_processing("chunking over examples", eqn, error=TransformError):
+            params = eqn.params if flags is None else row_params(eqn, flags, 1, (size,))
+            outs = b.bind(eqn.op, *(env.get(a, a) if type(a) is Var else a for a in eqn.inputs),
+                          **params)
+        for v, new in zip(eqn.outputs, outs, strict=True):
+            expect = v.aval.shape if flags is None else (size,) + v.aval.shape[1:]
+            if tuple(new.aval.shape) != tuple(expect):
+                raise TransformError(f"chunk_rows: `{eqn.op}` on a chunk of examples gives "
+                                     f"{short_aval(new.aval)}, expected {expect}")
+            env[v] = new
+    inputs = tuple(consts + chunk)
+    outputs = tuple(env.get(a, a) for a in layer.body.outputs)
+    recompute = Region(0, None, None, True, "chunk_rows", "")
+    return Graph(inputs=inputs, eqns=tuple(b.eqns), outputs=outputs,
+                 input_roles=("data",) * len(inputs), output_roles=("aux",) * len(outputs),
+                 regions=(recompute,))
+
