@@ -277,9 +277,10 @@ def _attempts(graph: Graph, budget, planner: str, chunks: int | None, finish, re
         return results, counts
     # the head and the token-wise MLPs in chunks; then attention in blocks and the regions
     # inside the loops' bodies too, while every plan that fits recomputes (a chunk of whole
-    # examples costs less time than recomputing a layer); then all of them over more chunks,
-    # each count only while nothing fits with fewer (a chunk's contractions thinner, slower:
-    # the fewest chunks that fit are taken)
+    # examples costs less time than recomputing a layer); then a scanned layer's whole body
+    # over chunks of examples; then all of them over more chunks, each count only while
+    # nothing fits with fewer (a chunk's contractions thinner, slower: the fewest chunks that
+    # fit are taken)
     found = 0
     for count, more in _chunk_attempts(chunks):
         if more and (any(_fits(r) and not _recomputes(r) for r in results)
@@ -329,14 +330,19 @@ def _least_pooled(pool):
 
 
 MORE_CHUNKS = (4, 16)  # times `chunks`: the counts tried after it while nothing fits
+# What a chunked attempt runs over chunks (`more`): the head and the token-wise MLPs; and
+# attention in blocks and the regions inside loop bodies; and, in their place, a scanned
+# layer's whole body over chunks of examples where it computes each example alone
+HEAD, NETWORK, LAYERS = 0, 1, 2
 
 
-def _chunk_attempts(chunks: int | None) -> list[tuple[int, bool]]:
-    """`(count, more)` of each chunked attempt, in order (`_planned`): `chunks` without and with
-    attention blocks and loop bodies (`more`), then more chunks with them."""
+def _chunk_attempts(chunks: int | None) -> list[tuple[int, int]]:
+    """`(count, more)` of each chunked attempt, in order (`_planned`): `chunks` at each level of
+    `more`, then more chunks at the last."""
     if chunks is None:
         return []
-    return [(chunks, False), (chunks, True)] + [(chunks * k, True) for k in MORE_CHUNKS]
+    return [(chunks, HEAD), (chunks, NETWORK), (chunks, LAYERS)] + [
+        (chunks * k, LAYERS) for k in MORE_CHUNKS]
 
 
 def _chunks_of(graph: Graph | None, least, results: list, counts: dict) -> int | None:
@@ -467,7 +473,7 @@ def _fused(then=None):
     return fused
 
 
-def _chunked(graph: Graph, chunks: int, more: bool = True) -> Graph | None:
+def _chunked(graph: Graph, chunks: int, more: int = LAYERS) -> Graph | None:
     """The graph `jg.backward` returned (and the update appended since, if any) with its loss
     head over chunks of rows, or None when it has none worth chunking or was changed otherwise."""
     if forward_and_tail(graph)[0] is None:
@@ -476,14 +482,16 @@ def _chunked(graph: Graph, chunks: int, more: bool = True) -> Graph | None:
     return chunked if chunked.info.get("chunk_rows", {}).get("regions") else None
 
 
-def _rows_in_chunks(chunks: int, more: bool = True):
+def _rows_in_chunks(chunks: int, more: int = LAYERS):
     """Graph -> Graph: a joint graph with its loss head over `chunks` chunks of rows
-    (`jg.chunk_rows`; with `more`, attention over blocks of queries and the regions inside
-    loop bodies too), unchanged where it has none; applied in every loop mode the planner
-    derives, so a scanned model's scan modes hold the chunked head too."""
+    (`jg.chunk_rows`; with `more` from `NETWORK`, attention over blocks of queries and the
+    regions inside loop bodies too; at `LAYERS`, a scanned layer's whole body over chunks of
+    examples in their place), unchanged where it has none; applied in every loop mode the
+    planner derives, so a scanned model's scan modes hold the chunked head too."""
     def rederive(joint: Graph) -> Graph:
         try:
-            return chunk_rows(joint, chunks=chunks, attention=more, loops=more)
+            return chunk_rows(joint, chunks=chunks, attention=more >= NETWORK,
+                              loops=more >= NETWORK, examples=more >= LAYERS)
         except TransformError:
             return joint
 

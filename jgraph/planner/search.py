@@ -185,9 +185,9 @@ def remat_under_budget(graph: Graph, budget, planner: str = "auto", finish=None,
         finished = no_remat if done is plain and reference is None else xla_temp(done)
         if finished != no_remat:
             report["finished_temp"] = finished
-        if finished <= target:
-            return reported(done, report, "no remat", peak(done), finished, 0, 0.0,
-                             started)
+        if finished <= target:  # (what it recomputes itself: a loop over chunks' backward)
+            return reported(done, report, "no remat", peak(done), finished, 0,
+                            recompute_flops(done), started)
         by_mode = problems(graph, rederive, plain)
         for problem in by_mode.values():
             problem.finish = finish
