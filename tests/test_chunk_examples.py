@@ -138,3 +138,22 @@ def test_one_chunks_working_set_is_what_the_step_holds():
     regions = jg.compiled_memory(jg.chunk_rows(gb, 8)).temp_bytes
     examples = jg.compiled_memory(jg.chunk_rows(gb, 8, examples=True)).temp_bytes
     assert examples < 0.75 * regions < 0.75 * whole, (examples, regions, whole)
+
+
+def test_a_budget_only_the_layer_over_examples_reaches_is_met_by_it():
+    """Under a budget between what the layer over chunks of examples reaches and the least of
+    its MLP and attention in chunks (with the layer scan keeping only its carries), the planner
+    runs the layer over chunks of examples, within the budget, with JAX's gradients."""
+    loss, params, tokens = _lm(layers=2, d=64, t=64, batch=16, vocab=128)
+    gb = _joint(loss, params, tokens)
+    kept_carries = _joint(loss, params, tokens,
+                          loop_policy=jax.checkpoint_policies.nothing_saveable)
+    regions = min(jg.compiled_memory(jg.chunk_rows(g, 8)).temp_bytes for g in (gb, kept_carries))
+    examples = jg.compiled_memory(jg.chunk_rows(gb, 8, examples=True)).temp_bytes
+    budget = (examples + regions) // 2
+    planned = jg.remat(gb, budget=budget)
+    report = planned.info["remat"]
+    assert report["xla_temp"] <= budget
+    assert any(r["kind"] == "examples" for r in report["chunked"]), report["chunked"]
+    assert report["recompute_flops"] > 0  # each chunk's forward again in the backward
+    _assert_as_jax(planned, loss, params, tokens)
