@@ -127,6 +127,17 @@ def test_a_body_that_mixes_examples_or_returns_a_weights_value_is_left_saying_wh
     assert "mixes examples" in chunked.info["chunk_rows"]["examples_left"][0]
     _assert_as_jax(chunked, batch_norm_lm, params, tokens)
 
+    def printing_lm(params, tokens):  # a print of the weights: every chunk would print it
+        def body(x, p):
+            jax.debug.print("{}", p["w1"].sum())
+            return jnp.tanh(x @ p["w1"][:, :x.shape[-1]]), None
+        x, _ = jax.lax.scan(body, params["embed"][tokens], params["layers"])
+        return jnp.mean(x**2)
+
+    chunked = jg.chunk_rows(_joint(printing_lm, params, tokens), 4, examples=True)
+    assert not _examples(chunked)
+    assert "has effects" in chunked.info["chunk_rows"]["examples_left"][0]
+
 
 def test_one_chunks_working_set_is_what_the_step_holds():
     """XLA:CPU's temp of the donated step: the layer over 8 chunks of examples holds less than

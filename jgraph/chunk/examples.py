@@ -14,9 +14,10 @@ whose leading axis happens to equal the batch stays whole): an eqn reading a car
 carries them (its params for a chunk come from its row rule, `jgraph.chunk.rows`, with one row
 axis); so does a broadcast or an iota that makes a leading axis of the batch's size from
 constants (a causal mask broadcast to every example, the same for each); any other eqn reads
-only the layer's weights and constants and runs as it is in every chunk. A body any eqn of
-which mixes examples (a norm over the batch), has effects, holds a loop, or whose results
-do not all carry the examples (a per-layer scalar), is left as it is, with the reason.
+only the layer's weights and constants and runs as it is in every chunk. A body that has
+effects (each chunk would repeat them), any eqn of which mixes examples (a norm over the
+batch) or reads them inside a loop or a branch, or whose results do not all carry the examples
+(a per-layer value of its weights), is left as it is, with the reason.
 """
 
 from __future__ import annotations
@@ -80,14 +81,17 @@ def _layer(body: Graph, n_consts: int, n_carry: int) -> Layer | str:
     if any(v.aval.shape[0] != rows for v in carries):
         return "carries of different leading sizes"
     layer = Layer(body, rows, set(carries), {})
+    effects = next((e for e in body.eqns if has_effects(e)), None)
+    if effects is not None:  # (each chunk would repeat it)
+        return f"`{effects.op}` in the body has effects"
     for eqn in body.eqns:
         flags = tuple(type(a) is Var and a in layer.carried for a in eqn.inputs)
         makes = (not any(flags) and eqn.op in MAKES_ROWS and eqn.outputs[0].aval.shape
                  and eqn.outputs[0].aval.shape[0] == rows and _new_leading_axis(eqn))
         if not any(flags) and not makes:
             continue  # computed from the weights and constants alone: run as it is
-        if has_effects(eqn) or any(isinstance(v, Graph) for v in eqn.params.values()):
-            return f"`{eqn.op}` in the body ({'effects' if has_effects(eqn) else 'a loop'})"
+        if any(_holds_graph(v) for v in eqn.params.values()):
+            return f"`{eqn.op}` in the body reads the examples inside a loop or a branch"
         try:
             row_params(eqn, flags, 1, (rows,))
         except NotRowwise as e:
@@ -97,6 +101,11 @@ def _layer(body: Graph, n_consts: int, n_carry: int) -> Layer | str:
     if any(type(a) is not Var or a not in layer.carried for a in body.outputs):
         return "a result of the body that does not carry the examples"
     return layer
+
+
+def _holds_graph(value) -> bool:
+    return isinstance(value, Graph) or (isinstance(value, tuple)
+                                        and any(isinstance(v, Graph) for v in value))
 
 
 def _new_leading_axis(eqn: Eqn) -> bool:
