@@ -38,21 +38,37 @@ def chunk_shape(rows, axis: int, size: int) -> tuple[int, ...]:
 
 def emit_on_chunk(b: Builder, head: Head, rows, env: dict) -> None:
     """Emit `head`'s eqns on a chunk of `rows` into `b`; `env` maps the region's inputs to the
-    chunk's atoms and gets its values. The row sums (`head.sums`) keep their params."""
+    chunk's atoms and gets its values. The row sums (`head.sums`) keep their params, and so do
+    eqns without flags (`head.flags`: reading no rows, such as a layer's weights transposed)."""
     k = head.k
     for eqn in head.eqns:
         b.source = eqn.source
+        flags = head.flags.get(eqn)
+        as_is = flags is None or (eqn in head.sums and head.sums_reduce)
         with while_processing("chunking", eqn, error=TransformError):
-            whole = eqn in head.sums and head.sums_reduce  # a row sum: params unchanged
-            params = eqn.params if whole else row_params(eqn, head.flags[eqn], k, rows)
+            params = eqn.params if as_is else row_params(eqn, flags, k, rows)
             outs = b.bind(eqn.op, *(env.get(a, a) if type(a) is Var else a for a in eqn.inputs),
                           **params)
         for v, new in zip(eqn.outputs, outs, strict=True):
-            expect = v.aval.shape if whole else rows + v.aval.shape[k:]
+            expect = v.aval.shape if as_is else rows + v.aval.shape[k:]
             if tuple(new.aval.shape) != tuple(expect):  # a row rule that does not fit its op
                 raise TransformError(f"chunk_rows: `{eqn.op}` on a chunk gives "
                                      f"{short_aval(new.aval)}, expected {expect}")
             env[v] = new
+
+
+def scan_over_chunks(b: Builder, body_of, consts, row_inputs, axis: int, size: int, n: int,
+                     rest: int) -> list[Var]:
+    """Emit a scan over the `n` chunks of `size` rows of `row_inputs` along `axis` (and one
+    more iteration on the `rest` rows left) whose body is `body_of(rows in a chunk)`: (consts,
+    a chunk of each row input) -> a chunk of each result; the results, put back together."""
+    xs = [b.call(to_chunks, u, axis=axis, n=n, size=size)[0] for u in row_inputs]
+    _, ys = emit_scan(b, body_of(size), consts, [], xs, n)
+    if not rest:
+        return [b.call(from_chunks, y, axis=axis)[0] for y in ys]
+    xs = [b.call(rest_chunk, u, axis=axis, start=n * size)[0] for u in row_inputs]
+    _, more = emit_scan(b, body_of(rest), consts, [], xs, 1)
+    return [b.call(join_chunks, y, m, axis=axis)[0] for y, m in zip(ys, more, strict=True)]
 
 
 def with_loops(graph: Graph, replaced: dict, gone: set) -> Graph:

@@ -25,67 +25,56 @@ from __future__ import annotations
 import dataclasses
 
 from jgraph.builder import Builder
-from jgraph.chunk.emit import (
-    emit_scan,
-    from_chunks,
-    join_chunks,
-    rest_chunk,
-    split_rows,
-    to_chunks,
-)
+from jgraph.chunk.emit import emit_on_chunk, scan_over_chunks, split_rows
+from jgraph.chunk.find import Head
 from jgraph.chunk.rows import NotRowwise, row_params
-from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Region, Var, short_aval
-from jgraph.naming import while_processing
 from jgraph.ops import has_effects
 
 MAKES_ROWS = frozenset({"broadcast_in_dim", "iota"})  # may make the batch axis from constants
-
-
-@dataclasses.dataclass
-class Layer:
-    """A scan's body found to compute each example of its carries alone."""
-
-    body: Graph
-    rows: int  # the batch: the carries' leading axis
-    carried: set  # the body's values that carry the examples
-    flags: dict  # eqn -> which of its inputs carry the examples (eqns that carry them)
 
 
 def over_examples(scan: Eqn, chunks: int) -> tuple[Eqn | None, dict | str]:
     """(`scan` with its body over `chunks` chunks of examples, what was done), or (None, why
     not)."""
     p = scan.params
-    found = _layer(p["body"], p["num_consts"], p["num_carry"])
-    if isinstance(found, str):
-        return None, found
-    axis, size, n, rest = split_rows((found.rows,), chunks)
+    body, n_consts, n_carry = p["body"], p["num_consts"], p["num_carry"]
+    layer = _layer(body, n_consts, n_carry)
+    if isinstance(layer, str):
+        return None, layer
+    _, size, n, rest = split_rows(layer.rows, chunks)
     if n + (rest > 0) < 2:
         return None, "the batch is a single example"
-    body = _chunked_body(found, p["num_consts"], p["num_carry"], size, n, rest)
-    carries = found.body.inputs[p["num_consts"]:p["num_consts"] + p["num_carry"]]
+    carries = list(body.inputs[n_consts:n_consts + n_carry])
+    whole = [v for v in body.inputs if v not in set(carries)]
+    b = Builder(tags=frozenset(), regions=())
+    outs = scan_over_chunks(b, lambda rows: _on_chunk(layer, body, whole, carries, rows), whole,
+                            carries, 0, size, n, rest)
+    chunked = body.replace(eqns=tuple(b.eqns), outputs=tuple(outs), regions=())
     widest = max(carries, key=lambda v: v.aval.size)
-    info = {"kind": "examples", "ops": [e.op for e in found.body.eqns],
+    info = {"kind": "examples", "ops": [e.op for e in body.eqns],
             "rows": tuple(widest.aval.shape[:-1]), "axis": 0, "chunks": n + (rest > 0),
             "chunk_rows": size, "remainder": rest,
             "row_inputs": [short_aval(v.aval) for v in carries],
-            "consts": [short_aval(v.aval) for v in found.body.inputs if v not in set(carries)]}
-    return dataclasses.replace(scan, params={**p, "body": body}), info
+            "consts": [short_aval(v.aval) for v in whole]}
+    return dataclasses.replace(scan, params={**p, "body": chunked}), info
 
 
-def _layer(body: Graph, n_consts: int, n_carry: int) -> Layer | str:
+def _layer(body: Graph, n_consts: int, n_carry: int) -> Head | str:
+    """The body as a region over its carries' leading axis (`Head.flags`: the eqns reading the
+    examples; the others run as they are), or why it is not one."""
     carries = body.inputs[n_consts:n_consts + n_carry]
     if not carries or any(not v.aval.shape for v in carries):
         return "a carry without a batch axis"
     rows = carries[0].aval.shape[0]
     if any(v.aval.shape[0] != rows for v in carries):
         return "carries of different leading sizes"
-    layer = Layer(body, rows, set(carries), {})
     effects = next((e for e in body.eqns if has_effects(e)), None)
     if effects is not None:  # (each chunk would repeat it)
         return f"`{effects.op}` in the body has effects"
+    layer, carried = Head(1, (rows,), list(body.eqns), []), set(carries)
     for eqn in body.eqns:
-        flags = tuple(type(a) is Var and a in layer.carried for a in eqn.inputs)
+        flags = tuple(type(a) is Var and a in carried for a in eqn.inputs)
         makes = (not any(flags) and eqn.op in MAKES_ROWS and eqn.outputs[0].aval.shape
                  and eqn.outputs[0].aval.shape[0] == rows and _new_leading_axis(eqn))
         if not any(flags) and not makes:
@@ -97,8 +86,8 @@ def _layer(body: Graph, n_consts: int, n_carry: int) -> Layer | str:
         except NotRowwise as e:
             return f"`{eqn.op}` mixes examples ({e})"
         layer.flags[eqn] = flags
-        layer.carried.update(eqn.outputs)
-    if any(type(a) is not Var or a not in layer.carried for a in body.outputs):
+        carried.update(eqn.outputs)
+    if any(type(a) is not Var or a not in carried for a in body.outputs):
         return "a result of the body that does not carry the examples"
     return layer
 
@@ -115,49 +104,18 @@ def _new_leading_axis(eqn: Eqn) -> bool:
     return 0 not in tuple(eqn.params["broadcast_dimensions"])
 
 
-def _chunked_body(layer: Layer, n_consts: int, n_carry: int, size: int, n: int,
-                  rest: int) -> Graph:
-    """The body: its carries cut into chunks of examples, the layer run over them in a scan
-    whose body saves nothing, the results put back together."""
-    body = layer.body
-    carries = list(body.inputs[n_consts:n_consts + n_carry])
-    whole = [v for v in body.inputs if v not in set(carries)]
-    b = Builder(tags=frozenset(), regions=())
-    xs = [b.call(to_chunks, v, axis=0, n=n, size=size)[0] for v in carries]
-    _, ys = emit_scan(b, _on_chunk(layer, whole, carries, size), whole, [], xs, n)
-    if rest:
-        xs = [b.call(rest_chunk, v, axis=0, start=n * size)[0] for v in carries]
-        _, more = emit_scan(b, _on_chunk(layer, whole, carries, rest), whole, [], xs, 1)
-        outs = [b.call(join_chunks, y, m, axis=0)[0] for y, m in zip(ys, more, strict=True)]
-    else:
-        outs = [b.call(from_chunks, y, axis=0)[0] for y in ys]
-    return body.replace(eqns=tuple(b.eqns), outputs=tuple(outs), regions=())
-
-
-def _on_chunk(layer: Layer, whole: list[Var], carries: list[Var], size: int) -> Graph:
+def _on_chunk(layer: Head, body: Graph, whole: list[Var], carries: list[Var],
+              size: int) -> Graph:
     """(the weights and constants, a chunk of each carry) -> every result on the chunk, in a
     checkpoint region that saves nothing."""
     consts = [Var(v.aval) for v in whole]
     chunk = [Var(v.aval.update(shape=(size,) + v.aval.shape[1:])) for v in carries]
     env = dict(zip(whole, consts, strict=True)) | dict(zip(carries, chunk, strict=True))
     b = Builder(regions=(0,))
-    for eqn in layer.body.eqns:
-        b.source = eqn.source
-        flags = layer.flags.get(eqn)
-        with while_processing("chunking over examples", eqn, error=TransformError):
-            params = eqn.params if flags is None else row_params(eqn, flags, 1, (size,))
-            outs = b.bind(eqn.op, *(env.get(a, a) if type(a) is Var else a for a in eqn.inputs),
-                          **params)
-        for v, new in zip(eqn.outputs, outs, strict=True):
-            expect = v.aval.shape if flags is None else (size,) + v.aval.shape[1:]
-            if tuple(new.aval.shape) != tuple(expect):
-                raise TransformError(f"chunk_rows: `{eqn.op}` on a chunk of examples gives "
-                                     f"{short_aval(new.aval)}, expected {expect}")
-            env[v] = new
+    emit_on_chunk(b, layer, (size,), env)
     inputs = tuple(consts + chunk)
-    outputs = tuple(env.get(a, a) for a in layer.body.outputs)
+    outputs = tuple(env.get(a, a) for a in body.outputs)
     recompute = Region(0, None, None, True, "chunk_rows", "")
     return Graph(inputs=inputs, eqns=tuple(b.eqns), outputs=outputs,
                  input_roles=("data",) * len(inputs), output_roles=("aux",) * len(outputs),
                  regions=(recompute,))
-

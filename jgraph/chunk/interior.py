@@ -20,12 +20,8 @@ from jgraph.builder import Builder
 from jgraph.chunk.emit import (
     chunk_shape,
     emit_on_chunk,
-    emit_scan,
-    from_chunks,
-    join_chunks,
-    rest_chunk,
+    scan_over_chunks,
     split_rows,
-    to_chunks,
     with_loops,
 )
 from jgraph.chunk.find import Head, expands, grow, is_row, per_row
@@ -78,19 +74,10 @@ def _chunked(region: Head, axis, size, n, rest) -> list[Eqn]:
     """The eqns computing the region's end (the same var) with scans over chunks."""
     end = region.sums[0]
     b = Builder(tags=end.tags, regions=end.regions)  # where the end was
-    out = end.outputs[0]
-    xs = [b.call(to_chunks, u, axis=axis, n=n, size=size)[0] for u in region.row_inputs]
-    _, (ys,) = emit_scan(b, _body(region, chunk_shape(region.rows, axis, size)), region.consts,
-                         [], xs, n)
-    if rest:
-        xs = [b.call(rest_chunk, u, axis=axis, start=n * size)[0] for u in region.row_inputs]
-        _, (more,) = emit_scan(b, _body(region, chunk_shape(region.rows, axis, rest)),
-                               region.consts, [], xs, 1)
-        b.call(join_chunks, ys, more, axis=axis)
-    else:
-        b.call(from_chunks, ys, axis=axis)
+    scan_over_chunks(b, lambda rows: _body(region, chunk_shape(region.rows, axis, rows)),
+                     region.consts, region.row_inputs, axis, size, n, rest)
     # the last eqn makes the region's value: it defines the var its readers read
-    b.eqns[-1] = dataclasses.replace(b.eqns[-1], outputs=(out,))
+    b.eqns[-1] = dataclasses.replace(b.eqns[-1], outputs=(end.outputs[0],))
     return b.eqns
 
 
