@@ -101,6 +101,21 @@ def test_an_in_place_update_of_a_fused_operand_is_estimated():
     assert jg.memory(gb).peak_bytes > 0 and jg.compiled_memory(gb, *args).temp_bytes > 0
 
 
+def test_a_taint_anchored_on_an_embedding_gradient_is_estimated():
+    """A recompute group waits for the scatter-add of a `take`'s gradient, so XLA cannot fold
+    that scatter into the sum after it: jg.memory folded it and raised KeyError looking for the
+    anchor's buffer (found by hypothesis)."""
+    def program(p, i):
+        h = jnp.tanh(jnp.tanh(p))
+        return jnp.sum(jnp.tanh(h)) + jnp.sum(jnp.take(h, i, axis=0))
+
+    args = (jnp.ones((1,)), jnp.int32(0))
+    planned = jg.remat(jg.backward(jg.trace(program, *args, param_argnums=0)), budget="50%")
+    assert planned.info["remat"]["plan"] != "no remat"
+    assert jg.memory(planned).peak_bytes > 0 and jg.compiled_memory(planned, *args).temp_bytes > 0
+    np.testing.assert_allclose(jg.evaluate(planned, *args)[1], jax.grad(program)(*args), rtol=1e-6)
+
+
 def test_memory_is_cheap_on_a_long_chain():
     """The planner calls jg.memory on every candidate plan: it is linear-ish in the graph, not
     a compile (no wall-clock bar: one call on 1700 eqns runs without compiling anything)."""

@@ -129,7 +129,8 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         else ({}, [])
     tainted: dict[tuple[int, Var], Var] = {}
     cuts = fusion_cuts(graph)
-    folds = _scatter_folds(graph)
+    folds = _scatter_folds(graph, {anchors[g] for g, position in plan.values()
+                                   if position is not None})
     used = {a for e in graph.eqns for a in e.inputs if isinstance(a, Var)}
     used.update(a for a in graph.outputs if isinstance(a, Var))
     held: dict[Var, tuple] = {}  # a folded scatter's output -> (its eqn, its inputs)
@@ -197,13 +198,14 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
 SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
 
 
-def _scatter_folds(graph: Graph) -> dict:
+def _scatter_folds(graph: Graph, anchors: set) -> dict:
     """XLA's algebraic simplifier folds `a + scatter_add(zeros, indices, updates)` into
     `scatter_add(a, indices, updates)` where the sum is the scatter's only reader (the gradient
-    of an embedding table that is also read by a dot). {sum eqn: which of its operands is the
-    scatter, scatter eqn: None}."""
+    of an embedding table that is also read by a dot; `anchors`: values the lowering's taints
+    read too, so never folded). {sum eqn: which of its operands is the scatter, scatter eqn:
+    None}."""
     producer = {v: e for e in graph.eqns for v in e.outputs}
-    readers: dict[Var, int] = {}
+    readers: dict[Var, int] = dict.fromkeys(anchors, 1)
     for e in graph.eqns:
         for a in e.inputs:
             if isinstance(a, Var):
