@@ -232,8 +232,8 @@ def _planned(graph: Graph, budget, planner: str, chunks: int | None, then=None) 
     least = min(results, key=lambda r: r[3])
     graph_, problem = least[:2]
     graph_ = None if graph_ is None else _timed(graph_, results)
-    if (least is not results[0] if not pool
-            else graph_ is not None and "chunked" in graph_.info["remat"]):
+    if problem is not None and (least is not results[0] if not pool
+                                else graph_ is not None and "chunked" in graph_.info["remat"]):
         count = _chunks_of(graph_, least, results, counts)
         said = type(problem)(f"{problem}; reached with the loss head over chunks of rows "
                              f"(jg.chunk_rows, chunks={count})")  # which graph it is of
@@ -277,10 +277,10 @@ def _attempts(graph: Graph, budget, planner: str, chunks: int | None, finish, re
         return results, counts
     # the head and the token-wise MLPs in chunks; then attention in blocks and the regions
     # inside the loops' bodies too, while every plan that fits recomputes (a chunk of whole
-    # examples costs less time than recomputing a layer); then a scanned layer's whole body
-    # over chunks of examples; then all of them over more chunks, each count only while
-    # nothing fits with fewer (a chunk's contractions thinner, slower: the fewest chunks that
-    # fit are taken)
+    # examples costs less time than recomputing a layer); then a layer's whole body (scanned
+    # or written out) over chunks of examples; then all of them over more chunks, each count
+    # only while nothing fits with fewer (a chunk's contractions thinner, slower: the fewest
+    # chunks that fit are taken)
     found = 0
     for count, more in _chunk_attempts(chunks):
         if more and (any(_fits(r) and not _recomputes(r) for r in results)
@@ -331,8 +331,8 @@ def _least_pooled(pool):
 
 MORE_CHUNKS = (4, 16)  # times `chunks`: the counts tried after it while nothing fits
 # What a chunked attempt runs over chunks (`more`): the head and the token-wise MLPs; and
-# attention in blocks and the regions inside loop bodies; and, in their place, a scanned
-# layer's whole body over chunks of examples where it computes each example alone
+# attention in blocks and the regions inside loop bodies; and, in their place, a layer's whole
+# body (scanned or written out) over chunks of examples where it computes each example alone
 HEAD, NETWORK, LAYERS = 0, 1, 2
 
 
@@ -485,9 +485,10 @@ def _chunked(graph: Graph, chunks: int, more: int = LAYERS) -> Graph | None:
 def _rows_in_chunks(chunks: int, more: int = LAYERS):
     """Graph -> Graph: a joint graph with its loss head over `chunks` chunks of rows
     (`jg.chunk_rows`; with `more` from `NETWORK`, attention over blocks of queries and the
-    regions inside loop bodies too; at `LAYERS`, a scanned layer's whole body over chunks of
-    examples in their place), unchanged where it has none; applied in every loop mode the
-    planner derives, so a scanned model's scan modes hold the chunked head too."""
+    regions inside loop bodies too; at `LAYERS`, a layer's whole body, scanned or written out,
+    over chunks of examples in their place), unchanged where it has none; applied in every
+    loop mode the planner derives, so a scanned model's scan modes hold the chunked head
+    too."""
     def rederive(joint: Graph) -> Graph:
         try:
             return chunk_rows(joint, chunks=chunks, attention=more >= NETWORK,

@@ -39,6 +39,14 @@ def _equal(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _close(got, want):
+    """Normwise within 1e-5 of each other, leaf by leaf: gradients summed over chunks differ in
+    their last bits, and adam, dividing by their root mean square, moves by more than that."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30), (a, b)
+
+
 def test_a_finished_step_kept_whole_reports_its_compiled_figure():
     """At a budget the unplanned step meets once adam is fused into the backward, the plan is
     "no remat" of the finished step: the report's figure of the finished step is its compile's,
@@ -433,10 +441,12 @@ def test_an_nnx_step_updates_its_objects_in_place_as_nnx_jit_does(budget):
         assert step(*mine, x, y) is None
         reference(*theirs, x, y)
     assert len(traces) == 1 and mine[0].head.kernel is kernel  # the caller's objects, in place
+    chunked = budget is not None and (step.info(*mine, x, y)["remat"] or {}).get("chunked")
+    same = _close if chunked else _equal  # (chunks change the sums' order)
     for a, b in zip(mine, theirs, strict=True):
-        _equal(nnx.state(a), nnx.state(b))
+        same(nnx.state(a), nnx.state(b))
     assert int(mine[1].step[...]) == 3
-    _equal(mine[2].compute(), theirs[2].compute())
+    same(mine[2].compute(), theirs[2].compute())
 
     graph = step.graph(*mine, x, y)
     n_params = len(jax.tree.leaves(nnx.state(mine[0], nnx.Param)))

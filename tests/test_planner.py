@@ -136,14 +136,15 @@ def test_a_percentage_no_plan_reaches_returns_the_least_plan_with_a_warning(chai
     assert_same_gradients(gb, gr, fn, args)
 
 
-def test_the_least_plan_of_a_step_takes_one_compile_beyond_the_unplanned(count_compiles):
+def test_the_least_plan_of_a_step_takes_at_most_two_compiles_beyond_the_unplanned(
+        count_compiles):
     """A percentage no plan reaches, on a step over `SMALL_STEP` of temp: the model ranks every
-    candidate (its plans, a checkpoint per stage, the hand arrangements) and only the one it
-    puts least is compiled, beside the unplanned step a percentage needs (the runner-up too
-    only where the model puts it within `CLEAR` of the least: here a checkpoint per layer is
-    put at the unplanned figure, 3.3x the least); the plan returned needs no more than a
-    `jax.checkpoint` per layer under either policy."""
-    from jgraph.planner.least import SMALL_STEP
+    candidate of every attempt (its plans, a checkpoint per stage, the hand arrangements, the
+    layers over chunks of examples) and only the one it puts least is compiled, beside the
+    unplanned step a percentage needs, and the runner-up only where the model puts it within
+    `CLEAR` of the least (the layers over 32 and 128 chunks); the plan returned needs no more
+    than a `jax.checkpoint` per layer under either policy."""
+    from jgraph.planner.least import LEAST_COMPILED, SMALL_STEP
 
     fn, args = chain(layers=12, width=64, batch=1024)
     gb = joint(fn, *args)
@@ -160,7 +161,7 @@ def test_the_least_plan_of_a_step_takes_one_compile_beyond_the_unplanned(count_c
     compiles = count_compiles()
     with pytest.warns(jg.BudgetWarning, match="no plan reaches"):
         gr = jg.remat(gb, budget="1%")
-    assert len(compiles) == 2, len(compiles)
+    assert len(compiles) <= 1 + LEAST_COMPILED, len(compiles)
     assert gr.info["remat"]["confirmed"] == "compiled"
     assert gr.info["remat"]["xla_temp"] <= min(per_layer), (gr.info["remat"], per_layer)
 

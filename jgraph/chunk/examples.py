@@ -48,8 +48,8 @@ def over_examples(scan: Eqn, chunks: int) -> tuple[Eqn | None, dict | str]:
     carries = list(body.inputs[n_consts:n_consts + n_carry])
     whole = [v for v in body.inputs if v not in set(carries)]
     b = Builder(tags=frozenset(), regions=())
-    outs = scan_over_chunks(b, lambda rows: _on_chunk(layer, body, whole, carries, rows), whole,
-                            carries, 0, size, n, rest)
+    outs = scan_over_chunks(b, lambda rows: on_chunk(layer, whole, carries, body.outputs, rows),
+                            whole, carries, 0, size, n, rest)
     chunked = body.replace(eqns=tuple(b.eqns), outputs=tuple(outs), regions=())
     widest = max(carries, key=lambda v: v.aval.size)
     info = {"kind": "examples", "ops": [e.op for e in body.eqns],
@@ -76,10 +76,10 @@ def _layer(body: Graph, n_consts: int, n_carry: int) -> Head | str:
     for eqn in body.eqns:
         flags = tuple(type(a) is Var and a in carried for a in eqn.inputs)
         makes = (not any(flags) and eqn.op in MAKES_ROWS and eqn.outputs[0].aval.shape
-                 and eqn.outputs[0].aval.shape[0] == rows and _new_leading_axis(eqn))
+                 and eqn.outputs[0].aval.shape[0] == rows and new_leading_axis(eqn))
         if not any(flags) and not makes:
             continue  # computed from the weights and constants alone: run as it is
-        if any(_holds_graph(v) for v in eqn.params.values()):
+        if any(holds_graph(v) for v in eqn.params.values()):
             return f"`{eqn.op}` in the body reads the examples inside a loop or a branch"
         try:
             row_params(eqn, flags, 1, (rows,))
@@ -92,29 +92,28 @@ def _layer(body: Graph, n_consts: int, n_carry: int) -> Head | str:
     return layer
 
 
-def _holds_graph(value) -> bool:
+def holds_graph(value) -> bool:
     return isinstance(value, Graph) or (isinstance(value, tuple)
                                         and any(isinstance(v, Graph) for v in value))
 
 
-def _new_leading_axis(eqn: Eqn) -> bool:
+def new_leading_axis(eqn: Eqn) -> bool:
     """A broadcast or iota whose leading axis is new (not an operand's, not counted along)."""
     if eqn.op == "iota":
         return eqn.params["dimension"] != 0
     return 0 not in tuple(eqn.params["broadcast_dimensions"])
 
 
-def _on_chunk(layer: Head, body: Graph, whole: list[Var], carries: list[Var],
-              size: int) -> Graph:
-    """(the weights and constants, a chunk of each carry) -> every result on the chunk, in a
-    checkpoint region that saves nothing."""
+def on_chunk(layer: Head, whole: list[Var], carries: list[Var], results, size: int) -> Graph:
+    """(the weights and constants, a chunk of each carry) -> each of `results` on the chunk, in
+    a checkpoint region that saves nothing."""
     consts = [Var(v.aval) for v in whole]
     chunk = [Var(v.aval.update(shape=(size,) + v.aval.shape[1:])) for v in carries]
     env = dict(zip(whole, consts, strict=True)) | dict(zip(carries, chunk, strict=True))
     b = Builder(regions=(0,))
     emit_on_chunk(b, layer, (size,), env)
     inputs = tuple(consts + chunk)
-    outputs = tuple(env.get(a, a) for a in body.outputs)
+    outputs = tuple(env.get(a, a) for a in results)
     recompute = Region(0, None, None, True, "chunk_rows", "")
     return Graph(inputs=inputs, eqns=tuple(b.eqns), outputs=outputs,
                  input_roles=("data",) * len(inputs), output_roles=("aux",) * len(outputs),

@@ -46,6 +46,7 @@ from jgraph.chunk.emit import (
 from jgraph.chunk.examples import over_examples
 from jgraph.chunk.find import Head, batched_gathers, find_head
 from jgraph.chunk.interior import chunk_interior, interior_regions
+from jgraph.chunk.layers import layers_over_examples
 from jgraph.errors import TransformError
 from jgraph.ir import Eqn, Graph, Literal, Var, short_aval
 from jgraph.passes import dce
@@ -56,7 +57,8 @@ DERIVED = frozenset({"grad", "new_accumulator", "new_param"})
 
 
 def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
-               attention: bool = True, loops: bool = True, examples: bool = False) -> Graph:
+               attention: bool = True, loops: bool = True, examples: bool = False,
+               layer_loops: int | None = None) -> Graph:
     """`graph` with its loss head run over chunks of rows, its backward in the same loop.
 
     The rows are split along one row axis (one the chunks divide if any): `ceil(rows / chunks)`
@@ -72,7 +74,11 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
         loops: also look inside scans' bodies (a scanned model's layer).
         examples: run a scan's whole body over chunks of examples where it computes each
             example of its carries alone (a scanned model's layer: `jgraph.chunk.examples`),
-            in place of the regions inside it.
+            in place of the regions inside it; and the layers written out (outside loops),
+            each over chunks of examples (`jgraph.chunk.layers`).
+        layer_loops: with `examples`, how many loops the layers written out run in (per
+            stretch between eqns mixing examples; each loop's inputs are kept for the
+            backward); None: the count `jgraph.chunk.layers` estimates puts least in memory.
 
     Returns:
         The chunked `Graph`. `info["chunk_rows"]` is `{"reason": None, "regions": [{...}, ...]}`,
@@ -82,17 +88,25 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
         a block region's `rows` are its end's shape, `axis` its block axis there, `read_whole` the
         keys and values every block reads; a region inside a scan's body has `in`: "scan body");
         a scanned layer over chunks of examples has kind "examples", `rows` its widest carry's
-        rows and `chunk_rows` the examples per chunk (with `examples`, `examples_left` says
-        why each scan whose body was not so chunked was not);
+        rows and `chunk_rows` the examples per chunk, a layer written out the same with `in`
+        "layers" and its `eqns` (with `examples`, `examples_left` says why each scan whose
+        body was not so chunked was not, and why no layer written out was);
         `head` says why the head was not chunked when only interior regions were. When nothing
         was worth chunking it is `{"reason": why, "regions": []}` and the graph's eqns are
         unchanged.
 
     Raises:
-        TransformError: a graph that is not a backward graph, or chunks that are not a positive
-            int."""
+        TransformError: a graph that is not a backward graph, chunks (or layer_loops) that are
+            not a positive int, or layer_loops without examples."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise TransformError(f"chunk_rows: chunks must be an int >= 1, got {chunks!r}")
+    if layer_loops is not None and (isinstance(layer_loops, bool) or not isinstance(
+            layer_loops, int) or layer_loops < 1):
+        raise TransformError(f"chunk_rows: layer_loops must be an int >= 1 or None, got "
+                             f"{layer_loops!r}")
+    if layer_loops is not None and not examples:
+        raise TransformError("chunk_rows: layer_loops says how many loops the layers run in "
+                             "over chunks of examples: give examples=True too")
     if not isinstance(graph, Graph):
         raise TransformError(f"chunk_rows takes a jgraph Graph (from jg.backward), got "
                              f"{type(graph).__name__}")
@@ -114,7 +128,7 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
     found, left = [], [] if examples and loops and interior else None
     if interior:
         forward, found = _network(forward, set(head.eqns if head else ()), chunks, attention,
-                                  loops, examples=left)
+                                  loops, examples=left, layer_loops=layer_loops)
     if found:  # the joint graph derived again from the forward with them in loops (and with
         # the policy it was derived with inside its loops: a planner's loop mode)
         graph = backward(forward, loop_policy=graph.info.get("loop_policy"))
@@ -143,7 +157,8 @@ def chunk_rows(graph: Graph, chunks: int = 8, *, interior: bool = True,
 
 
 def _network(forward: Graph, exclude, chunks: int, attention: bool, loops: bool,
-             computed: bool = False, examples: list | None = None):
+             computed: bool = False, examples: list | None = None,
+             layer_loops: int | None = None):
     """(`forward` with its regions inside the network in loops over chunks, what was done):
     token-wise MLPs, then attention over blocks of queries, then the same inside each scan's
     body (a scanned model's layer), where only values computed in the body count as keys read
@@ -151,11 +166,17 @@ def _network(forward: Graph, exclude, chunks: int, attention: bool, loops: bool,
     scan's body was not), a scan's whole body over chunks of examples where it computes each
     example alone."""
     scans = {e for e in forward.eqns if loops and e.op == "scan" and e not in exclude}
+    found = []
+    if examples is not None:  # the layers written out, each over chunks of examples
+        forward, found, why = layers_over_examples(forward, exclude, chunks, layer_loops)
+        if why is not None:
+            examples.append(f"layers: {why}")
     regions = interior_regions(forward, exclude)
     taken = set(exclude) | {e for r in regions for e in r.eqns}
     constants = set(forward.inputs) if computed else None
     blocks = block_regions(forward, taken, constants, chunks) if attention else []
-    forward, found = chunk_interior(forward, regions, chunks)
+    forward, more = chunk_interior(forward, regions, chunks)
+    found += more
     forward, more = chunk_blocks(forward, blocks, chunks)
     found += more
     eqns = list(forward.eqns)
