@@ -134,6 +134,7 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
     used = {a for e in graph.eqns for a in e.inputs if isinstance(a, Var)}
     used.update(a for a in graph.outputs if isinstance(a, Var))
     held: dict[Var, tuple] = {}  # a folded scatter's output -> (its eqn, its inputs)
+    constant: set[Var] = set()  # broadcasts of constants
     for eqn in graph.eqns:
         inputs = eqn.inputs
         if eqn in folds:
@@ -170,7 +171,7 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if eqn.op == "scan":  # its stacked outputs nothing reads dropped, as XLA drops them
             live = without_unused_ys(eqn, used)
             params, outputs = live.params, live.outputs
-            inputs = tuple(inputs) + _ys_stacks(ops, live)
+            inputs = _sunk(ops, eqn, inputs, constant) + _ys_stacks(ops, live)
         copies = COPIES[eqn.op](eqn) if eqn.op in COPIES else ()
         if any(c is not None for c in copies):
             inputs = tuple(_operand_copy(ops, a, eqn, c) if c is not None and isinstance(a, Var)
@@ -192,7 +193,19 @@ def flatten(graph: Graph, ops: Ops | None = None) -> Ops:
         if predicate is not None:
             _emit(ops, Eqn("materialise", outputs + (predicate,), {}, eqn.outputs, eqn.tags,
                            eqn.regions, eqn.source), eqn)
+        if eqn.op == "broadcast_in_dim" and isinstance(ops.root(inputs[0]), Literal):
+            constant.add(eqn.outputs[0])
     return ops
+
+
+def _sunk(ops: Ops, scan: Eqn, inputs, constant: set) -> tuple:
+    """A scan's inputs, with each constant or xs that is a broadcast of a constant (the
+    cotangent of a mean, read by a backward loop) a literal: XLA sinks it into the loop's body
+    (`WhileLoopConstantSinking`, broadcasts of constants included), so no buffer holds it."""
+    n_consts, n_carry = scan.params["num_consts"], scan.params["num_carry"]
+    return tuple(Literal(None, a.aval) if ops.root(a) in constant
+                 and not n_consts <= k < n_consts + n_carry else a
+                 for k, a in enumerate(inputs))
 
 
 SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
@@ -592,5 +605,13 @@ def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
         return [(k.writes[0], values[operand])] if operand in values else []
     if shareable(k) and len(k.writes) == 1 and not _reshaped(k.writes[0], root):
         out = k.writes[0]
-        return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"]
+        return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"
+                and _elementwise_on(k, r.var, root)]
     return []
+
+
+def _elementwise_on(k: Kernel, var, root) -> bool:
+    """Whether every eqn of `k` reading `var` reads it elementwise (XLA writes a fusion's
+    result over an operand only then: a transpose reads other elements than it writes)."""
+    return all(e.op in opkinds.ELEMENTWISE for e in k.eqns
+               if any(root(a) is var for a in e.inputs))
