@@ -121,6 +121,7 @@ def test_one_chunks_working_set_is_what_the_step_holds():
     assert layers < 0.75 * regions < 0.75 * whole, (layers, regions, whole)
 
 
+@pytest.mark.extended  # 16 s: the default suite keeps its margin under 10 minutes
 def test_a_budget_only_the_layers_over_examples_reach_is_met_by_them():
     """Under a budget a little above what the layers over chunks of examples hold (a third of
     what their MLPs and attention in chunks hold, whose plans recompute per layer and stay
