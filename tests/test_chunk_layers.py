@@ -78,6 +78,23 @@ def test_an_eqn_mixing_examples_ends_a_stretch_of_layers():
     _assert_as_jax(chunked, loss, params, tokens)
 
 
+@pytest.mark.extended  # 12 s: the default suite keeps its margin under 10 minutes
+def test_layers_the_user_checkpointed_run_over_chunks_inside_their_regions():
+    """Each layer under `jax.checkpoint`: a region of its own, so each stretch ends where its
+    region does; the chunked graph, with the user's regions applied, has JAX's gradients."""
+    _, params, tokens = _lm()
+
+    def checkpointed(params, tokens):
+        x = params["embed"][tokens]
+        for p in params["layers"]:
+            x = jax.checkpoint(_layer)(p, x)
+        return -jnp.mean(jax.nn.log_softmax(x @ params["embed"].T)[..., 0])
+
+    chunked = jg.chunk_rows(_joint(checkpointed, params, tokens), 4, examples=True)
+    assert len(_layers(chunked)) >= 2
+    _assert_as_jax(jg.remat(chunked), checkpointed, params, tokens)
+
+
 def test_a_weight_as_long_as_the_batch_stays_whole():
     """d = batch: the weights' leading axes have the batch's size; which values carry the
     examples is followed from the tokens, so the weights are read whole by every chunk."""
