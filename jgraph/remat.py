@@ -438,8 +438,8 @@ def _memo(finish):
 
 def _fused(then=None):
     """Graph -> Graph: a step with its updates fused where its gradients are made, only when
-    the fused step, run with `then` after it, takes clearly less of the budget's figure (by more
-    than the model's error: a step within it stays as written, uncompiled): where the step
+    the fused step, run with `then` after it, takes no more of the budget's figure (within the
+    model's error it is taken, uncompiled: it never holds the stacked gradient): where the step
     returns its gradients, or a guard keeps the old state beside the new, the stacked gradient
     stays and the moved update may cost more (a 16-layer scanned MLP's adam step returning its
     gradients: 918 KB fused against 754 KB). Decided once, on the first graph fused (the step

@@ -605,13 +605,5 @@ def _shares(k: Kernel, root, values) -> list[tuple[Value, Value]]:
         return [(k.writes[0], values[operand])] if operand in values else []
     if shareable(k) and len(k.writes) == 1 and not _reshaped(k.writes[0], root):
         out = k.writes[0]
-        return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"
-                and _elementwise_on(k, r.var, root)]
+        return [(out, r) for r in k.reads if r.size == out.size and r.kind == "temp"]
     return []
-
-
-def _elementwise_on(k: Kernel, var, root) -> bool:
-    """Whether every eqn of `k` reading `var` reads it elementwise (XLA writes a fusion's
-    result over an operand only then: a transpose reads other elements than it writes)."""
-    return all(e.op in opkinds.ELEMENTWISE for e in k.eqns
-               if any(root(a) is var for a in e.inputs))
