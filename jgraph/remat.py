@@ -28,7 +28,7 @@ from jgraph.planner import remat_under_budget
 from jgraph.planner import validate as planner_validate
 from jgraph.planner.least import least_of, pooled
 from jgraph.planner.search import confirm, deferred, forward_and_tail, step_rewritten
-from jgraph.planner.validate import predicted_smaller, xla_temp
+from jgraph.planner.validate import predicted_no_larger, xla_temp
 from jgraph.regions import LOOPS, apply_regions, is_forward, without_regions
 from jgraph.target import Target, measuring_on, resolve
 
@@ -445,7 +445,7 @@ def _fused(then=None):
     gradients: 918 KB fused against 754 KB). Decided once, on the first graph fused (the step
     as given, before any plan: the planner finishes hundreds of graphs), by the model
     calibrated on the unfused step, which a percentage compiles anyway
-    (`planner.validate.predicted_smaller`); the fused step then records that step
+    (`planner.validate.predicted_no_larger`); the fused step then records that step
     (`info["unfused_step"]`), which calibrates the search's model too, so the fused twin is not
     compiled. `info["remat"]["fused"]` lists the params whose update moved."""
     decided = []  # [bool] once the fused step has been weighed against its unfused twin
@@ -463,7 +463,7 @@ def _fused(then=None):
             return graph
         if not decided:
             unfused = run(graph)
-            decided.append(predicted_smaller(run(moved_graph), unfused))
+            decided.append(predicted_no_larger(run(moved_graph), unfused))
             decided.append(unfused)
         if decided[0] is False:
             return graph

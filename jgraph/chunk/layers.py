@@ -35,7 +35,7 @@ import math
 from collections import Counter
 
 from jgraph.builder import Builder
-from jgraph.chunk.emit import scan_over_chunks, split_rows
+from jgraph.chunk.emit import scan_over_chunks, split_rows, with_loops
 from jgraph.chunk.examples import MAKES_ROWS, holds_graph, new_leading_axis, on_chunk
 from jgraph.chunk.find import ROW_ROLES, Head
 from jgraph.chunk.rows import NotRowwise, row_params
@@ -58,13 +58,13 @@ def layers_over_examples(forward: Graph, exclude, chunks: int, loops: int | None
     if n + (rest > 0) < 2:
         return forward, [], "the batch is a single example"
     flags = _carried(forward, rows, set(exclude))
+    where = {e: i for i, e in enumerate(forward.eqns)}
+    last = _last_reads(forward)
     layers = [layer for stretch in _stretches(forward, flags) for layer in
-              _layers(forward, stretch, n + (rest > 0), loops)]
+              _layers(stretch, where, last, n + (rest > 0), loops)]
     if not layers:
         return forward, [], "no stretch of layers with a contraction outside loops"
-    eqns, found = list(forward.eqns), []
-    replaced, gone = {}, set()
-    readers = _last_reads(forward)
+    found, replaced = [], {}
     for layer in layers:
         head = Head(1, (rows,), layer, [], {e: flags[e] for e in layer})
         made = set(v for e in layer for v in e.outputs)
@@ -73,8 +73,8 @@ def layers_over_examples(forward: Graph, exclude, chunks: int, loops: int | None
         consts = list(dict.fromkeys(a for e in layer for a, f in zip(e.inputs, flags[e],
                                                                        strict=True)
                                     if type(a) is Var and not f and a not in made))
-        end = eqns.index(layer[-1])
-        outs = [v for e in layer for v in e.outputs if readers.get(v, -1) > end]
+        end = where[layer[-1]]
+        outs = [v for e in layer for v in e.outputs if last.get(v, -1) > end]
         b = Builder(tags=layer[-1].tags, regions=layer[-1].regions)
         results = scan_over_chunks(b, lambda r, h=head, c=consts, i=ins, o=outs: on_chunk(
             h, c, i, o, r), consts, ins, 0, size, n, rest)
@@ -82,21 +82,15 @@ def layers_over_examples(forward: Graph, exclude, chunks: int, loops: int | None
         replaced[layer[-1]] = [e if not set(e.outputs) & set(named) else Eqn(
             e.op, e.inputs, e.params, tuple(named.get(v, v) for v in e.outputs), e.tags,
             e.regions, e.source) for e in b.eqns]
-        gone.update(layer)
         widest = max(ins + outs, key=lambda v: v.aval.size)  # (its rows: tokens too)
         found.append({"kind": "examples", "in": "layers", "ops": [e.op for e in layer],
-                      "eqns": (eqns.index(layer[0]), end),
+                      "eqns": (where[layer[0]], end),
                       "rows": tuple(widest.aval.shape[:max(1, widest.aval.ndim - 1)]), "axis": 0,
                       "chunks": n + (rest > 0), "chunk_rows": size, "remainder": rest,
                       "row_inputs": [short_aval(v.aval) for v in ins],
                       "consts": [short_aval(v.aval) for v in consts]})
-    out = []
-    for eqn in eqns:  # each loop where its layer's last eqn was; the eqns it reads whole before
-        if eqn in replaced:
-            out += replaced[eqn]
-        elif eqn not in gone:
-            out.append(eqn)
-    return forward.replace(eqns=tuple(out)), found, None
+    # each loop where its layer's last eqn was (the eqns it reads whole run before it)
+    return with_loops(forward, replaced, {e for layer in layers for e in layer}), found, None
 
 
 def _batch(forward: Graph) -> int | None:
@@ -163,11 +157,10 @@ def _last_reads(forward: Graph) -> dict:
     return last
 
 
-def _layers(forward: Graph, stretch: list[Eqn], chunks: int, loops: int | None
+def _layers(stretch: list[Eqn], where: dict, last: dict, chunks: int, loops: int | None
             ) -> list[list[Eqn]]:
-    """`stretch` cut into `loops` layers (the module docstring), each with a contraction."""
-    where = {e: i for i, e in enumerate(forward.eqns)}
-    last = _last_reads(forward)
+    """`stretch` cut into `loops` layers (the module docstring), each with a contraction
+    (`where`: each eqn's position in the forward; `last`: `_last_reads`)."""
     made = {v: where[e] for e in stretch for v in e.outputs}
     # bytes crossing the boundary after each eqn of the stretch: carried values made in it up
     # to there (or read from before it: every boundary's alike), read after

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jgraph.ir import Graph, Literal, Var
-from jgraph.memory.program import literal_key
+from jgraph.memory.flatten import literal_key
 
 _SCOPE = re.compile(r'op_name="[^"]*?/e(\d+)/')
 

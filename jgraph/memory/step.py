@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from jgraph import opkinds
 from jgraph.ir import Eqn, Graph, Literal, Var
 from jgraph.lower import donation_order
-from jgraph.memory.program import Kernel, Ops, Value, connect, flatten, kernels
+from jgraph.memory.flatten import Ops, flatten
+from jgraph.memory.program import Kernel, Value, connect, kernels
 from jgraph.roles import donated_buffers
 from jgraph.target import STATE_ROLES
 

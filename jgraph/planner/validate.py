@@ -135,7 +135,7 @@ def xla_temp(graph: Graph) -> int:
     return xla_figures(graph).budget_bytes
 
 
-def predicted_smaller(graph: Graph, than: Graph) -> bool:
+def predicted_no_larger(graph: Graph, than: Graph) -> bool:
     """Whether `graph`'s figure is not clearly over `than`'s (a step and its twin computing the
     same values) on the target in force, predicted by the model calibrated on `than`'s compile,
     which the caller has made anyway: within `CLEAR`, the model's error, the two are as good as
